@@ -1,0 +1,39 @@
+"""Automation: tests, lint, typecheck, docs, demo and benchmarks. Run ``nox -l`` to list."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.default_venv_backend = "venv"
+
+PACKAGE = "trio_rollouts"
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite."""
+    session.install("-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (with the ASYNC rules) and ruff format."""
+    session.install("ruff>=0.17")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on the package."""
+    session.install("-e", ".[test]", "mypy>=2.4")
+    session.run("mypy", "--strict", PACKAGE)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the docs offline, warnings as errors."""
+    session.install("-e", ".[docs]")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")

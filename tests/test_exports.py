@@ -1,0 +1,36 @@
+"""The public API: every name DESIGN.md promises is importable from the package."""
+
+from __future__ import annotations
+
+import trio_rollouts
+import trio_rollouts.inference
+
+DESIGN_NAMES = """
+ChatMessage LLMChatMessage GenerationArgs Request RolloutRequest GroupedRolloutRequest
+Head2HeadRolloutRequest EvaluationRequest Rollout TokenRollout RolloutGroup ContrastiveRollout
+EvaluationResult RewardEvaluationResult EvaluationResponse
+InferenceInterface ReturnsRaw ReturnsTokens ReturnsLogProbs InferenceRequest InferenceResponse
+""".split()
+
+INFERENCE_NAMES = """
+InferenceInterface InferenceRequest InferenceResponse ReturnsRaw ReturnsTokens ReturnsLogProbs
+""".split()
+
+
+def test_design_names_are_exported() -> None:
+    missing = [name for name in DESIGN_NAMES if not hasattr(trio_rollouts, name)]
+    assert missing == []
+
+
+def test_inference_names_are_exported() -> None:
+    missing = [name for name in INFERENCE_NAMES if not hasattr(trio_rollouts.inference, name)]
+    assert missing == []
+
+
+def test_llm_chat_message_is_an_alias() -> None:
+    assert trio_rollouts.LLMChatMessage is trio_rollouts.ChatMessage
+
+
+def test_top_level_reexports_are_the_inference_objects() -> None:
+    for name in INFERENCE_NAMES:
+        assert getattr(trio_rollouts, name) is getattr(trio_rollouts.inference, name)

@@ -1,0 +1,572 @@
+"""The data model: chat messages, generation arguments, requests, rollouts and groups.
+
+Every model is an attrs class with keyword-only fields, and every value is checked where
+it is made: a constructor (or a cattrs ``structure`` call, which goes through the
+constructor) raises ``ValueError``/``TypeError`` naming the field, the value and what is
+allowed. Records that cross process boundaries (rollouts, groups, evaluation results)
+keep the keys they do not know in :attr:`extra`, so a structure -> unstructure round
+trip is lossless, as the origin's ``extra='allow'`` was. Conversion itself lives in
+``_convert.py``; this module only declares and validates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from .inference._interface import InferenceInterface
+
+__all__ = [
+    "ChatMessage",
+    "ContrastiveRollout",
+    "EvaluationRequest",
+    "EvaluationResponse",
+    "EvaluationResult",
+    "GenerationArgs",
+    "GroupedRolloutRequest",
+    "Head2HeadRolloutRequest",
+    "LLMChatMessage",
+    "Request",
+    "Rollout",
+    "RolloutGroup",
+    "RolloutRequest",
+    "TokenRollout",
+]
+
+# --------------------------------------------------------------------------- validators
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_at_least(minimum: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not _is_int(value):
+            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
+            raise TypeError(msg)
+        if value < minimum:  # type: ignore[operator]
+            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
+            raise ValueError(msg)
+
+    return check
+
+
+def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        msg = f"{attribute.name} must be a bool, got {value!r}"
+        raise TypeError(msg)
+
+
+def _check_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        msg = f"{attribute.name} must be a str, got {value!r}"
+        raise TypeError(msg)
+
+
+def _check_optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        msg = f"{attribute.name} must be a str or None, got {value!r}"
+        raise TypeError(msg)
+
+
+def _check_optional_finite(
+    instance: object, attribute: attrs.Attribute[Any], value: object
+) -> None:
+    if value is None:
+        return
+    if not _is_real(value):
+        msg = f"{attribute.name} must be a float or None, got {value!r}"
+        raise TypeError(msg)
+
+
+def _check_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list):
+        msg = f"{attribute.name} must be a list, got {type(value).__name__} {value!r:.80}"
+        raise TypeError(msg)
+
+
+# --------------------------------------------------------------------------- base record
+
+
+@attrs.define(kw_only=True)
+class _Record:
+    """A record that keeps unknown keys (``extra``) through a round trip."""
+
+    #: Keys this library does not know, preserved verbatim by structure/unstructure.
+    extra: dict[str, Any] = attrs.field(factory=dict, repr=False)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@attrs.define(kw_only=True)
+class ChatMessage(_Record):
+    """One message of a chat: ``role`` (``"system"``, ``"user"``, ``"assistant"``,
+    ``"tool"``, ...) and its text ``content``. Extra keys (``tool_calls``, ``name``) are
+    kept in :attr:`extra`."""
+
+    role: str = attrs.field(validator=_check_str)
+    content: str = attrs.field(validator=_check_str)
+
+
+#: The origin's name for :class:`ChatMessage`.
+LLMChatMessage = ChatMessage
+
+
+def _check_temperature(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not _is_real(value):
+        msg = f"temperature must be a float >= 0 or None, got {value!r}"
+        raise TypeError(msg)
+    if not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
+        msg = f"temperature must be a finite float >= 0 (0.0 is greedy), got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_top_p(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not _is_real(value):
+        msg = f"top_p must be a float in (0, 1] or None, got {value!r}"
+        raise TypeError(msg)
+    if not 0.0 < value <= 1.0:  # type: ignore[operator]
+        msg = f"top_p must be in (0, 1], got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_top_k(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not _is_int(value):
+        msg = f"top_k must be an int >= 1 (or -1 for no limit) or None, got {value!r}"
+        raise TypeError(msg)
+    if value < 1 and value != -1:  # type: ignore[operator]
+        msg = f"top_k must be >= 1, or -1 for no limit, got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_max_tokens(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not _is_int(value):
+        msg = f"max_tokens must be an int >= 1 or None, got {value!r}"
+        raise TypeError(msg)
+    if value < 1:  # type: ignore[operator]
+        msg = f"max_tokens must be >= 1, got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class GenerationArgs:
+    """Sampling arguments. ``None`` means "not set": the server's default applies.
+
+    ``0.0`` is a set value (greedy decoding), never replaced by a default.
+    """
+
+    temperature: float | None = attrs.field(default=None, validator=_check_temperature)
+    top_k: int | None = attrs.field(default=None, validator=_check_top_k)
+    top_p: float | None = attrs.field(default=None, validator=_check_top_p)
+    max_tokens: int | None = attrs.field(default=None, validator=_check_max_tokens)
+
+    def add(self, other: GenerationArgs) -> GenerationArgs:
+        """Return a copy of ``self`` with every field that ``other`` sets applied."""
+        if not isinstance(other, GenerationArgs):
+            msg = f"GenerationArgs.add() takes a GenerationArgs, got {other!r}"
+            raise TypeError(msg)
+        changes = {
+            name: value
+            for name, value in attrs.asdict(other, recurse=False).items()
+            if value is not None
+        }
+        return attrs.evolve(self, **changes)
+
+    def set_fields(self) -> dict[str, int | float]:
+        """The fields that are set, as a dict (what a backend forwards)."""
+        return {k: v for k, v in attrs.asdict(self, recurse=False).items() if v is not None}
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def _check_interface(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    from .inference._interface import InferenceInterface
+
+    if not isinstance(value, InferenceInterface):
+        msg = (
+            f"{attribute.name} must be an InferenceInterface, got "
+            f"{type(value).__name__} {value!r:.80}"
+        )
+        raise TypeError(msg)
+
+
+def _check_generation_args(
+    instance: object, attribute: attrs.Attribute[Any], value: object
+) -> None:
+    if not isinstance(value, GenerationArgs):
+        msg = f"generation_args must be a GenerationArgs, got {value!r}"
+        raise TypeError(msg)
+
+
+@attrs.define(kw_only=True)
+class Request:
+    """Base of every request to an agent: the generation arguments to use."""
+
+    generation_args: GenerationArgs = attrs.field(
+        factory=GenerationArgs, validator=_check_generation_args
+    )
+
+
+@attrs.define(kw_only=True)
+class RolloutRequest(Request):
+    """Ask an agent for ``num_rollouts`` independent rollouts."""
+
+    num_rollouts: int = attrs.field(validator=_int_at_least(1))
+    inference_interface: InferenceInterface = attrs.field(validator=_check_interface)
+    validation: bool = attrs.field(default=False, validator=_check_bool)
+
+
+@attrs.define(kw_only=True)
+class GroupedRolloutRequest(Request):
+    """Ask an agent for groups of rollouts (GRPO): ``num_groups`` groups per batch, each of
+    ``rollouts_per_group`` rollouts. See :meth:`GroupedRolloutGenerator.get_grouped_rollouts`
+    for what ``streaming``, ``enforce_order`` and ``filter_groups_with_same_reward`` do."""
+
+    num_groups: int = attrs.field(validator=_int_at_least(1))
+    rollouts_per_group: int = attrs.field(validator=_int_at_least(1))
+    inference_interface: InferenceInterface = attrs.field(validator=_check_interface)
+    validation: bool = attrs.field(default=False, validator=_check_bool)
+    filter_groups_with_same_reward: bool = attrs.field(default=False, validator=_check_bool)
+    streaming: bool = attrs.field(default=False, validator=_check_bool)
+    enforce_order: bool = attrs.field(default=False, validator=_check_bool)
+
+
+def _check_interface_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    from .inference._interface import InferenceInterface
+
+    if not isinstance(value, list) or not value:
+        msg = f"inference_interface must be a non-empty list of InferenceInterface, got {value!r}"
+        raise TypeError(msg)
+    for i, item in enumerate(value):
+        if not isinstance(item, InferenceInterface):
+            msg = (
+                f"inference_interface[{i}] must be an InferenceInterface, got "
+                f"{type(item).__name__} {item!r:.80}"
+            )
+            raise TypeError(msg)
+
+
+@attrs.define(kw_only=True)
+class Head2HeadRolloutRequest(Request):
+    """Send the same prompts to several interfaces and compare their rewards."""
+
+    num_rollouts: int = attrs.field(validator=_int_at_least(1))
+    inference_interface: list[InferenceInterface] = attrs.field(validator=_check_interface_list)
+    validation: bool = attrs.field(default=False, validator=_check_bool)
+
+
+def _check_rank_info(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, tuple) or len(value) != 2 or not all(_is_int(v) for v in value):
+        msg = f"rank_info must be a (rank, world_size) tuple of ints or None, got {value!r}"
+        raise TypeError(msg)
+    rank, world = value
+    if world < 1:
+        msg = f"rank_info world_size must be >= 1, got {world!r} in rank_info={value!r}"
+        raise ValueError(msg)
+    if not 0 <= rank < world:
+        msg = f"rank_info rank must be in [0, {world}), got {rank!r} in rank_info={value!r}"
+        raise ValueError(msg)
+
+
+def _to_rank_info(value: object) -> object:
+    # Lists come out of JSON and argparse; a 2-list is accepted as a tuple.
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+@attrs.define(kw_only=True)
+class EvaluationRequest(Request):
+    """Evaluate ``num_prompts`` prompts; ``rank_info=(rank, world_size)`` evaluates this
+    rank's shard only (``None``: all of them)."""
+
+    inference_interface: InferenceInterface = attrs.field(validator=_check_interface)
+    num_prompts: int = attrs.field(validator=_int_at_least(0))
+    rank_info: tuple[int, int] | None = attrs.field(
+        default=None, converter=_to_rank_info, validator=_check_rank_info
+    )
+    validation: bool = attrs.field(default=True, validator=_check_bool)
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+def _per_element(name: str, values: Sequence[Any], n: int) -> None:
+    """A non-empty per-trajectory-element list has exactly one entry per element."""
+    if values and len(values) != n:
+        msg = (
+            f"{name} has {len(values)} entries but trajectory has {n} elements; "
+            f"it must be empty or have one entry per trajectory element"
+        )
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True)
+class Rollout(_Record):
+    """A text rollout: the trajectory's strings and its reward.
+
+    ``policy_epoch[i]`` / ``kv_cache_epoch[i]`` list the ``(start_token_index, epoch)``
+    boundaries the inference engine stamped on trajectory element ``i``.
+    """
+
+    trajectory: list[str] = attrs.field(validator=_check_list)
+    prompt_length: list[int] | None = None
+    reward: float | None = attrs.field(default=None, validator=_check_optional_finite)
+    env_id: str = attrs.field(default="", validator=_check_str)
+    problem_id: str | None = attrs.field(default=None, validator=_check_optional_str)
+    policy_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
+    kv_cache_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
+    num_evictions: list[int] = attrs.field(factory=list, validator=_check_list)
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.trajectory)
+        if self.prompt_length is not None:
+            _per_element("prompt_length", self.prompt_length, n)
+        _per_element("policy_epoch", self.policy_epoch, n)
+        _per_element("kv_cache_epoch", self.kv_cache_epoch, n)
+        _per_element("num_evictions", self.num_evictions, n)
+
+
+def _check_token_reward(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if _is_real(value):
+        return
+    if isinstance(value, list) and all(_is_real(v) for v in value):
+        return
+    msg = f"reward must be a float or a list of floats, got {value!r:.80}"
+    raise TypeError(msg)
+
+
+@attrs.define(kw_only=True)
+class TokenRollout(_Record):
+    """A tokenized rollout: token ids per trajectory element, which of them the policy
+    generated (``generation_mask``) and their log-probabilities.
+
+    ``logprobs[i]`` holds one value per *generated* token of element ``i`` (the ``True``
+    entries of ``generation_mask[i]``; every token when there is no mask), as inference
+    engines return them.
+    """
+
+    trajectory: list[list[int]] = attrs.field(validator=_check_list)
+    reward: list[float] | float = attrs.field(validator=_check_token_reward)
+    generation_mask: list[list[bool]] | None = None
+    logprobs: list[list[float]] | None = None
+    env_id: str = attrs.field(default="", validator=_check_str)
+    problem_id: str | None = attrs.field(default=None, validator=_check_optional_str)
+    policy_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
+    kv_cache_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
+    num_evictions: list[int] = attrs.field(factory=list, validator=_check_list)
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.trajectory)
+        if self.generation_mask is not None:
+            if len(self.generation_mask) != n:
+                msg = (
+                    f"generation_mask has {len(self.generation_mask)} entries but trajectory "
+                    f"has {n} elements; it must have one entry per trajectory element"
+                )
+                raise ValueError(msg)
+            for i, (tokens, mask) in enumerate(
+                zip(self.trajectory, self.generation_mask, strict=True)
+            ):
+                if len(mask) != len(tokens):
+                    msg = (
+                        f"generation_mask[{i}] has {len(mask)} entries but trajectory[{i}] "
+                        f"has {len(tokens)} tokens; they must be equal"
+                    )
+                    raise ValueError(msg)
+        if self.logprobs is not None:
+            if len(self.logprobs) != n:
+                msg = (
+                    f"logprobs has {len(self.logprobs)} entries but trajectory has {n} "
+                    f"elements; it must have one entry per trajectory element"
+                )
+                raise ValueError(msg)
+            for i, lps in enumerate(self.logprobs):
+                if self.generation_mask is not None:
+                    expected = sum(self.generation_mask[i])
+                    what = f"generated tokens (True entries of generation_mask[{i}])"
+                else:
+                    expected = len(self.trajectory[i])
+                    what = f"tokens in trajectory[{i}] (no generation_mask)"
+                if len(lps) != expected:
+                    msg = f"logprobs[{i}] has {len(lps)} entries but there are {expected} {what}"
+                    raise ValueError(msg)
+        _per_element("policy_epoch", self.policy_epoch, n)
+        _per_element("kv_cache_epoch", self.kv_cache_epoch, n)
+        _per_element("num_evictions", self.num_evictions, n)
+
+    @property
+    def scalar_reward(self) -> float:
+        """The reward as one number: a list reward is summed (the trajectory's return)."""
+        if isinstance(self.reward, list):
+            return float(sum(self.reward))
+        return float(self.reward)
+
+
+def _rollout_reward(rollout: Rollout | TokenRollout) -> float | None:
+    if isinstance(rollout, TokenRollout):
+        return rollout.scalar_reward
+    return rollout.reward
+
+
+def _check_rollouts(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list):
+        msg = f"rollouts must be a list of Rollout or TokenRollout, got {value!r:.80}"
+        raise TypeError(msg)
+    if not value:
+        msg = "rollouts must not be empty: a group needs at least one rollout"
+        raise ValueError(msg)
+    for i, r in enumerate(value):
+        if not isinstance(r, (Rollout, TokenRollout)):
+            msg = f"rollouts[{i}] must be a Rollout or TokenRollout, got {type(r).__name__}"
+            raise TypeError(msg)
+
+
+@attrs.define(kw_only=True)
+class RolloutGroup(_Record):
+    """A group of rollouts for one prompt (GRPO's unit), with its place in the batch.
+
+    Iterable, sized and indexable like the list of rollouts it wraps. The reward helpers
+    use numpy and refuse missing or non-finite rewards with an error naming the rollout's
+    environment and problem, instead of producing NaN.
+    """
+
+    rollouts: list[Rollout | TokenRollout] = attrs.field(validator=_check_rollouts)
+    batch_id: int = attrs.field(default=0, validator=_int_at_least(0))
+    index_in_batch: int = attrs.field(default=0, validator=_int_at_least(0))
+
+    def __iter__(self) -> Iterator[Rollout | TokenRollout]:
+        return iter(self.rollouts)
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    @overload
+    def __getitem__(self, index: int) -> Rollout | TokenRollout: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Rollout | TokenRollout]: ...
+    def __getitem__(
+        self, index: int | slice
+    ) -> Rollout | TokenRollout | list[Rollout | TokenRollout]:
+        return self.rollouts[index]
+
+    def rewards(self) -> npt.NDArray[np.float64]:
+        """The group's rewards as a float64 array.
+
+        Raises ``ValueError`` naming the rollout (index, ``env_id``, ``problem_id``) when a
+        reward is missing (``None``) or not finite.
+        """
+        out = np.empty(len(self.rollouts), dtype=np.float64)
+        for i, rollout in enumerate(self.rollouts):
+            reward = _rollout_reward(rollout)
+            if reward is None or not math.isfinite(reward):
+                msg = (
+                    f"rollout {i} of group (batch_id={self.batch_id}, "
+                    f"index_in_batch={self.index_in_batch}) has reward {reward!r} "
+                    f"(env_id={rollout.env_id!r}, problem_id={rollout.problem_id!r}); "
+                    f"rewards must be finite floats"
+                )
+                raise ValueError(msg)
+            out[i] = reward
+        return out
+
+    def reward_mean(self) -> float:
+        """Mean reward of the group."""
+        return float(self.rewards().mean())
+
+    def reward_std(self) -> float:
+        """Population standard deviation of the group's rewards (what filtering uses)."""
+        return float(self.rewards().std())
+
+    def advantages(self, eps: float = 1e-6) -> npt.NDArray[np.float64]:
+        """GRPO advantages ``(r - mean) / (std + eps)``, with the population std."""
+        if not eps >= 0:
+            msg = f"eps must be >= 0, got {eps!r}"
+            raise ValueError(msg)
+        rewards = self.rewards()
+        advantages: npt.NDArray[np.float64] = (rewards - rewards.mean()) / (rewards.std() + eps)
+        return advantages
+
+
+@attrs.define(kw_only=True)
+class ContrastiveRollout(_Record):
+    """A preference pair: the chosen and the rejected trajectory."""
+
+    chosen_trajectory: list[str] = attrs.field(validator=_check_list)
+    rejected_trajectory: list[str] = attrs.field(validator=_check_list)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@attrs.define(kw_only=True)
+class EvaluationResult(_Record):
+    """One evaluated prompt and the model's response."""
+
+    prompt: str | list[ChatMessage]
+    response: str | ChatMessage
+
+
+@attrs.define(kw_only=True)
+class RewardEvaluationResult(EvaluationResult):
+    """An evaluation result scored with a reward."""
+
+    reward: float = attrs.field(validator=_check_optional_finite)
+    problem_id: str | None = attrs.field(default=None, validator=_check_optional_str)
+
+
+ResultT = TypeVar("ResultT", bound=EvaluationResult)
+
+#: Every EvaluationResponse subclass by class name (for structuring by ``type_name``).
+_RESPONSE_TYPES: dict[str, type[EvaluationResponse[Any]]] = {}
+
+
+@attrs.define(kw_only=True)
+class EvaluationResponse(_Record, Generic[ResultT]):
+    """An environment's evaluation results. Subclasses implement :meth:`metrics`.
+
+    Every subclass is registered under its class name: ``unstructure`` writes it as
+    ``type_name`` and structuring a dict as ``EvaluationResponse`` returns the subclass
+    the dict names. A later class with the same name replaces the earlier one.
+    """
+
+    env_id: str = attrs.field(validator=_check_str)
+    results: list[ResultT] = attrs.field(validator=_check_list)
+
+    type_registry: ClassVar[dict[str, type[EvaluationResponse[Any]]]] = _RESPONSE_TYPES
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # attrs builds a new class for slotted classes; the last one built wins.
+        _RESPONSE_TYPES[cls.__name__] = cls
+
+    def metrics(self) -> dict[str, float]:
+        """Aggregate the results into named metrics."""
+        msg = f"{type(self).__name__} did not provide metric aggregation (override metrics())"
+        raise NotImplementedError(msg)
+
+
+_RESPONSE_TYPES["EvaluationResponse"] = EvaluationResponse

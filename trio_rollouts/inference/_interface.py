@@ -1,0 +1,152 @@
+"""The inference contract: what an agent sends to a model and what comes back.
+
+An :class:`InferenceInterface` turns an :class:`InferenceRequest` (a chat prompt and
+generation arguments) into an :class:`InferenceResponse`. Backends subclass it, implement
+:meth:`InferenceInterface.base_generate`, and mix in the capability markers for what they
+can deliver: :class:`ReturnsRaw` (the full text the model saw plus what it generated),
+:class:`ReturnsTokens` (token ids) and :class:`ReturnsLogProbs` (token log-probabilities).
+Agents check the markers, not the backend's class.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import attrs
+import trio
+
+from .._models import ChatMessage, GenerationArgs
+
+__all__ = [
+    "InferenceInterface",
+    "InferenceRequest",
+    "InferenceResponse",
+    "ReturnsLogProbs",
+    "ReturnsRaw",
+    "ReturnsTokens",
+]
+
+
+def _check_prompt(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list) or not value:
+        msg = f"prompt must be a non-empty list of ChatMessage, got {value!r:.80}"
+        raise TypeError(msg)
+    for i, message in enumerate(value):
+        if not isinstance(message, ChatMessage):
+            msg = f"prompt[{i}] must be a ChatMessage, got {type(message).__name__}"
+            raise TypeError(msg)
+
+
+@attrs.define(kw_only=True)
+class InferenceRequest:
+    """A chat prompt to complete, with optional tool definitions (passed through to the
+    server as the OpenAI ``tools`` field) and the generation arguments to use."""
+
+    prompt: list[ChatMessage] = attrs.field(validator=_check_prompt)
+    tools: list[dict[str, Any]] | None = None
+    generation_args: GenerationArgs = attrs.field(factory=GenerationArgs)
+
+
+@attrs.define(kw_only=True)
+class InferenceResponse:
+    """What the model generated.
+
+    - ``response``: the generated message.
+    - ``raw_text``: the full text the model saw plus what it generated (``ReturnsRaw``).
+    - ``token_ids``: prompt and generated token ids (``ReturnsTokens``); the first
+      ``prompt_length`` of them are the prompt.
+    - ``logprobs``: one log-probability per generated token (``ReturnsLogProbs``).
+    - ``policy_epoch`` / ``kv_cache_epoch``: ``(start_token_index, epoch)`` boundaries the
+      engine stamped while generating; ``num_evictions``: KV-cache evictions suffered.
+    """
+
+    response: ChatMessage
+    raw_text: str | None = None
+    token_ids: list[int] | None = None
+    prompt_length: int | None = None
+    logprobs: list[float] | None = None
+    policy_epoch: list[tuple[int, int]] = attrs.field(factory=list)
+    kv_cache_epoch: list[tuple[int, int]] = attrs.field(factory=list)
+    num_evictions: int = 0
+    finish_reason: str | None = None
+
+
+class ReturnsRaw:
+    """Marker: the interface fills :attr:`InferenceResponse.raw_text`."""
+
+    __slots__ = ()
+
+
+class ReturnsTokens:
+    """Marker: the interface fills :attr:`InferenceResponse.token_ids` and
+    :attr:`InferenceResponse.prompt_length`."""
+
+    __slots__ = ()
+
+
+class ReturnsLogProbs(ReturnsTokens):
+    """Marker: the interface also fills :attr:`InferenceResponse.logprobs`."""
+
+    __slots__ = ()
+
+
+@attrs.define(kw_only=True)
+class InferenceInterface(abc.ABC):
+    """Base of every inference backend.
+
+    Subclasses implement :meth:`base_generate`. Callers use :meth:`agenerate` from async
+    code and :meth:`generate` from synchronous code that has no event loop running.
+    """
+
+    def prepare_request(
+        self,
+        prompt: str | list[ChatMessage],
+        generation_args: GenerationArgs | None = None,
+    ) -> InferenceRequest:
+        """Build a request: a string becomes one ``user`` message."""
+        if isinstance(prompt, str):
+            messages = [ChatMessage(role="user", content=prompt)]
+        else:
+            messages = list(prompt)
+        return InferenceRequest(
+            prompt=messages,
+            generation_args=generation_args if generation_args is not None else GenerationArgs(),
+        )
+
+    @abc.abstractmethod
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        """Generate one completion for ``request``. Backends implement this.
+
+        Cancellation: implementations must be cancel-safe: when cancelled, they release
+        every resource (connection, slot) they hold and raise ``trio.Cancelled``.
+        """
+
+    async def agenerate(self, request: InferenceRequest) -> InferenceResponse:
+        """Generate one completion for ``request``.
+
+        Cancellation: cancellable at any point; a cancelled call leaves no work running and
+        holds no resource (it delegates to :meth:`base_generate`).
+        """
+        if not isinstance(request, InferenceRequest):
+            msg = f"agenerate() takes an InferenceRequest, got {type(request).__name__}"
+            raise TypeError(msg)
+        return await self.base_generate(request)
+
+    def generate(self, request: InferenceRequest) -> InferenceResponse:
+        """Synchronous :meth:`agenerate`: runs its own Trio loop.
+
+        Raises ``RuntimeError`` when called from inside a running Trio loop (use
+        ``await agenerate(...)`` there, or ``trio.to_thread.run_sync`` around this call).
+        """
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+        else:
+            msg = (
+                f"{type(self).__name__}.generate() was called inside a running Trio loop; "
+                "use 'await interface.agenerate(request)' instead"
+            )
+            raise RuntimeError(msg)
+        return trio.run(self.agenerate, request)
