@@ -1,5 +1,13 @@
 """trio_rollouts: cancellation-correct RL rollout pipelines (GRPO groups) on Trio."""
 
+from ._agents import Agent as Agent
+from ._agents import ContrastiveRolloutGenerator as ContrastiveRolloutGenerator
+from ._agents import EvaluationAgent as EvaluationAgent
+from ._agents import GroupedRolloutGenerator as GroupedRolloutGenerator
+from ._agents import RolloutGenerator as RolloutGenerator
+from ._agents import TokenizedRolloutGenerator as TokenizedRolloutGenerator
+from ._blocking import BlockingRolloutStream as BlockingRolloutStream
+from ._blocking import blocking_grouped_rollouts as blocking_grouped_rollouts
 from ._models import ChatMessage as ChatMessage
 from ._models import ContrastiveRollout as ContrastiveRollout
 from ._models import EvaluationRequest as EvaluationRequest
@@ -15,6 +23,8 @@ from ._models import Rollout as Rollout
 from ._models import RolloutGroup as RolloutGroup
 from ._models import RolloutRequest as RolloutRequest
 from ._models import TokenRollout as TokenRollout
+from ._stream import RolloutStream as RolloutStream
+from ._stream import RolloutStreamStatistics as RolloutStreamStatistics
 from .inference import InferenceInterface as InferenceInterface
 from .inference import InferenceRequest as InferenceRequest
 from .inference import InferenceResponse as InferenceResponse

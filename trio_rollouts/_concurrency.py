@@ -1,0 +1,78 @@
+"""Small structured-concurrency building blocks shared by the agents and the pipeline.
+
+Trio's strict exception groups nest one group per nursery. At the library's public
+boundary we flatten them: when one real failure happened, the caller gets that exception
+itself (so ``except ValueError`` works), with its traceback; only several independent
+failures stay an ``ExceptionGroup``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TypeVar
+
+import trio
+
+__all__ = ["flatten_exception_groups", "gather"]
+
+T = TypeVar("T")
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            out.extend(_leaves(exc))
+        else:
+            out.append(exc)
+    return out
+
+
+def _collapse(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    leaves = _leaves(group)
+    if len(leaves) == 1:
+        return leaves[0]
+    # Cancelled leaves next to a real error are its consequence (the nursery cancelled
+    # the siblings); the real error is what the caller must see.
+    real = [exc for exc in leaves if not isinstance(exc, trio.Cancelled)]
+    if len(real) == 1:
+        return real[0]
+    if not real:
+        return leaves[0]
+    return BaseExceptionGroup("several rollout tasks failed", real)
+
+
+@contextlib.contextmanager
+def flatten_exception_groups() -> Iterator[None]:
+    """Re-raise an exception group that holds one real failure as that failure."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        collapsed = _collapse(group)
+        context = collapsed.__context__
+        try:
+            raise collapsed
+        finally:
+            # Raising inside ``except`` would make the envelope the failure's context.
+            collapsed.__context__ = context
+            del collapsed, group, context
+
+
+async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run ``calls`` concurrently in a nursery; return their results in call order.
+
+    The first failure cancels the others and is raised as itself (see
+    :func:`flatten_exception_groups`). Cancellation: cancelling the caller cancels every
+    call, and this returns only after all of them have exited.
+    """
+    results: list[T | None] = [None] * len(calls)
+
+    async def run(i: int, call: Callable[[], Awaitable[T]]) -> None:
+        results[i] = await call()
+
+    with flatten_exception_groups():
+        async with trio.open_nursery() as nursery:
+            for i, call in enumerate(calls):
+                nursery.start_soon(run, i, call)
+    return results  # type: ignore[return-value]  # every slot was filled

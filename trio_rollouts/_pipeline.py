@@ -1,0 +1,307 @@
+"""The grouped rollout pipeline: its whole life, from checks to shutdown, in one module.
+
+``open_grouped_rollouts(agent, request)`` is what
+:meth:`GroupedRolloutGenerator.get_grouped_rollouts` returns: an async context manager
+that runs a fixed set of worker tasks in a nursery and hands finished groups to a
+:class:`~trio_rollouts.RolloutStream` through a bounded memory channel.
+
+Vocabulary. ``G = num_groups``, ``P = parallel_generation_tasks``, ``B = buffer_size``,
+``W = P // G``. A *slot* is a ``(batch_id, index_in_batch)`` pair; a *batch* is ``G``
+slots sharing a ``batch_id``, numbered 0, 1, 2, ... in submission order.
+
+Invariants (each one is a test):
+
+1. Checks happen before any work: a bad request raises before a task starts.
+2. A batch is *outstanding* from its submission until the consumer has *taken* its last
+   group. At most ``W`` batches are outstanding (one in non-streaming mode), so at most
+   ``W * G <= P`` slots exist that are not taken, and ``group_rollout`` calls in flight
+   never exceed ``P``. New batches are submitted only when the consumer takes a batch's
+   last group: a stalled consumer stalls generation, nothing runs ahead.
+3. At most ``B`` finished groups wait in the channel's buffer; a worker holding a finished
+   group beyond that waits in ``send``.
+4. Filtering regenerates a group in its own slot, so ``batch_id`` and ``index_in_batch``
+   are never reused or skipped. More than ``max_consecutive_filtered`` filtered groups in
+   a row is an error, not an endless loop.
+5. An exception in a worker cancels the nursery, which cancels every in-flight call and
+   the consumer's body; it leaves the ``async with`` as itself when it is the only
+   failure.
+6. Leaving the ``async with`` by any route cancels the workers first, then closes the
+   channels (synchronously, so closing cannot be interrupted); when ``__aexit__``
+   returns, no task the pipeline started is alive.
+
+Workers are a fixed set of tasks (``W * G`` of them): a task per group or per batch would
+cost about twice the throughput in Trio. Idle workers park on a ``ParkingLot`` and are
+woken when the consumer's take submits a new batch, so submission costs no task either.
+Ordering (``enforce_order``) happens in the stream, where groups are taken.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import warnings
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import trio
+
+from ._concurrency import flatten_exception_groups
+from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from ._stream import RolloutStream
+from .inference import ReturnsRaw
+
+if TYPE_CHECKING:
+    from ._agents import GroupedRolloutGenerator
+
+__all__ = ["FILTER_STD_THRESHOLD", "check_grouped_request", "open_grouped_rollouts"]
+
+#: A group whose rewards have a population std at or below this is "all the same".
+FILTER_STD_THRESHOLD = 1e-6
+
+
+def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
+    """Every check that must pass before any work starts (invariant 1)."""
+    if not isinstance(request, GroupedRolloutRequest):
+        msg = f"request must be a GroupedRolloutRequest, got {type(request).__name__}"
+        raise TypeError(msg)
+    if not isinstance(request.inference_interface, ReturnsRaw):
+        msg = (
+            f"{type(agent).__name__} needs an inference interface that returns raw text "
+            f"(ReturnsRaw); {type(request.inference_interface).__name__} does not"
+        )
+        raise TypeError(msg)
+    groups = request.num_groups
+    tasks = agent.parallel_generation_tasks
+    if groups < 1:
+        msg = f"num_groups must be >= 1, got {groups}"
+        raise ValueError(msg)
+    if request.rollouts_per_group < 1:
+        msg = f"rollouts_per_group must be >= 1, got {request.rollouts_per_group}"
+        raise ValueError(msg)
+    if tasks < groups:
+        msg = (
+            f"parallel_generation_tasks ({tasks}) must be >= num_groups ({groups}): "
+            f"one batch of {groups} groups must fit in flight"
+        )
+        raise ValueError(msg)
+    if agent.buffer_size < 0:
+        msg = f"buffer_size must be >= 0, got {agent.buffer_size}"
+        raise ValueError(msg)
+    if request.filter_groups_with_same_reward and request.rollouts_per_group < 2:
+        msg = (
+            "filter_groups_with_same_reward needs rollouts_per_group >= 2 (a group of one "
+            f"rollout always has the same reward), got {request.rollouts_per_group}"
+        )
+        raise ValueError(msg)
+    if request.streaming and tasks % groups:
+        msg = (
+            f"parallel_generation_tasks ({tasks}) is not a multiple of num_groups "
+            f"({groups}); {tasks % groups} generation task(s) will be unused"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+class _Pipeline:
+    """The state shared by the workers and the stream. Only Trio tasks of one run touch
+    it, so plain attributes need no lock: every update happens between checkpoints."""
+
+    def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
+        self.agent = agent
+        self.request = request
+        self.num_groups = request.num_groups
+        self.streaming = request.streaming
+        self.filtering = request.filter_groups_with_same_reward
+        self.max_outstanding = agent.parallel_generation_tasks // request.num_groups
+        self.max_consecutive_filtered = agent.max_consecutive_filtered
+        self.generate = agent._slot_generator(request)
+        self.send_channel, self.receive_channel = trio.open_memory_channel[RolloutGroup](
+            agent.buffer_size
+        )
+        self.free_slots: collections.deque[tuple[int, int]] = collections.deque()
+        self.idle_workers = trio.lowlevel.ParkingLot()
+        self.next_batch_id = 0
+        self.outstanding_batches = 0
+        self.taken_in_batch: dict[int, int] = {}
+        # Non-streaming: the worker that sends the batch's last group closes the channel.
+        self.groups_left_to_send = request.num_groups
+        self.consecutive_filtered = 0
+        # Wake-up accounting (see wake_workers): workers that are runnable and will look
+        # for a free slot before they next block.
+        self.coming_to_claim = 0
+        self.blocked_senders = 0
+        self.woken_senders = 0
+        # Counters for statistics(); see RolloutStreamStatistics for their meaning.
+        self.started = 0
+        self.completed = 0
+        self.filtered = 0
+        self.delivered = 0
+        self.in_flight = 0
+        self.failed = 0
+
+    # ---------------------------------------------------------------- submission
+
+    def submit_batch(self) -> None:
+        batch_id = self.next_batch_id
+        self.next_batch_id += 1
+        self.outstanding_batches += 1
+        self.free_slots.extend((batch_id, index) for index in range(self.num_groups))
+        self.wake_workers()
+
+    def wake_workers(self) -> None:
+        """Unpark as many idle workers as there are free slots nobody is coming for.
+
+        Waking a worker is the dominant per-group cost, so a slot that a runnable worker
+        will claim anyway (one just woken from ``send``, or already unparked) wakes no
+        one. Every worker calls this after claiming, so a shortfall heals itself.
+        """
+        needed = len(self.free_slots) - self.coming_to_claim
+        if needed > 0:
+            self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
+
+    def channel_received(self) -> None:
+        """Called by the stream after each receive from the channel: a receive from a full
+        buffer wakes one worker blocked in ``send``, and that worker will claim next."""
+        if self.blocked_senders > self.woken_senders:
+            self.woken_senders += 1
+            self.coming_to_claim += 1
+
+    def group_taken(self, group: RolloutGroup) -> None:
+        """Called by the stream for every group it hands to the consumer (invariant 2)."""
+        self.delivered += 1
+        if self.num_groups > 1:
+            taken = self.taken_in_batch.get(group.batch_id, 0) + 1
+            if taken < self.num_groups:
+                self.taken_in_batch[group.batch_id] = taken
+                return
+            del self.taken_in_batch[group.batch_id]
+        self.outstanding_batches -= 1
+        if self.streaming:
+            self.submit_batch()
+
+    # ---------------------------------------------------------------- workers
+
+    async def worker(self) -> None:
+        while True:
+            if not self.free_slots:
+                if not self.streaming:
+                    return
+                await self.idle_workers.park()
+                self.coming_to_claim -= 1
+                continue
+            batch_id, index = self.free_slots.popleft()
+            self.wake_workers()
+            group = await self.accepted_group(batch_id, index)
+            if self.blocked_senders > self.woken_senders:
+                full = True  # senders already wait: the buffer has no room
+            else:
+                # The buffer may have room: skip send's schedule point (group_rollout has
+                # just checkpointed), a measurable share of the per-group cost in Trio.
+                try:
+                    self.send_channel.send_nowait(group)
+                    full = False
+                except trio.WouldBlock:
+                    full = True
+            if full:
+                self.blocked_senders += 1
+                try:
+                    await self.send_channel.send(group)
+                finally:
+                    self.blocked_senders -= 1
+                # Woken by a receive (counted in channel_received), not cancelled.
+                self.woken_senders -= 1
+                self.coming_to_claim -= 1
+            if not self.streaming:
+                self.groups_left_to_send -= 1
+                if self.groups_left_to_send == 0:
+                    self.send_channel.close()
+
+    async def accepted_group(self, batch_id: int, index: int) -> RolloutGroup:
+        """Generate the group of one slot, regenerating it while it is filtered."""
+        while True:
+            self.started += 1
+            self.in_flight += 1
+            try:
+                result = await self.generate(batch_id, index)
+            except trio.Cancelled:
+                raise
+            except BaseException:
+                self.failed += 1
+                raise
+            finally:
+                self.in_flight -= 1
+            self.completed += 1
+            group = self.make_group(result, batch_id, index)
+            if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
+                self.consecutive_filtered = 0
+                return group
+            self.filtered += 1
+            self.consecutive_filtered += 1
+            if self.consecutive_filtered > self.max_consecutive_filtered:
+                msg = (
+                    f"{self.consecutive_filtered} groups in a row had identical rewards and "
+                    f"were filtered (max_consecutive_filtered={self.max_consecutive_filtered}); "
+                    f"last group: env_id={group[0].env_id!r}, problem_id="
+                    f"{group[0].problem_id!r}, reward={group.rewards()[0]!r}. Every group "
+                    "looks the same: check the reward function, or turn filtering off"
+                )
+                raise RuntimeError(msg)
+            # A filtering loop over instant group_rollout calls must stay cancellable.
+            await trio.lowlevel.checkpoint()
+
+    def make_group(self, result: object, batch_id: int, index: int) -> RolloutGroup:
+        """Check what ``group_rollout`` returned and wrap it in its slot's RolloutGroup."""
+        rollouts = result.rollouts if isinstance(result, RolloutGroup) else result
+        if type(rollouts) is not list:
+            if not isinstance(rollouts, Sequence) or isinstance(rollouts, (str, bytes)):
+                where = self.where(batch_id, index)
+                msg = f"{where} must return a list of rollouts, got {result!r:.80}"
+                raise TypeError(msg)
+            rollouts = list(rollouts)
+        if not rollouts:
+            where = self.where(batch_id, index)
+            msg = f"{where} returned an empty group; a group needs at least one rollout"
+            raise ValueError(msg)
+        for i, rollout in enumerate(rollouts):
+            if not isinstance(rollout, (Rollout, TokenRollout)):
+                msg = (
+                    f"{self.where(batch_id, index)} returned a group whose item {i} is a "
+                    f"{type(rollout).__name__}, not a Rollout or TokenRollout"
+                )
+                raise TypeError(msg)
+            if self.filtering:
+                reward = rollout.reward if isinstance(rollout, Rollout) else rollout.scalar_reward
+                if reward is None or not math.isfinite(reward):
+                    msg = (
+                        f"{self.where(batch_id, index)}: rollout {i} has reward {reward!r} "
+                        f"(env_id={rollout.env_id!r}, problem_id={rollout.problem_id!r}); "
+                        "filtering groups by reward needs finite float rewards"
+                    )
+                    raise ValueError(msg)
+        return RolloutGroup._checked_by_caller(rollouts, batch_id, index)
+
+    def where(self, batch_id: int, index: int) -> str:
+        return f"{type(self.agent).__name__}.group_rollout (batch_id={batch_id}, index={index})"
+
+    def worker_count(self) -> int:
+        return self.max_outstanding * self.num_groups if self.streaming else self.num_groups
+
+
+@contextlib.asynccontextmanager
+async def open_grouped_rollouts(
+    agent: GroupedRolloutGenerator, request: GroupedRolloutRequest
+) -> AsyncIterator[RolloutStream]:
+    """Run the pipeline for the duration of an ``async with``; see the module docstring."""
+    pipeline = _Pipeline(agent, request)
+    stream = RolloutStream._from_pipeline(pipeline)
+    with flatten_exception_groups(), pipeline.send_channel, pipeline.receive_channel:
+        async with trio.open_nursery() as nursery:
+            for _ in range(pipeline.max_outstanding if request.streaming else 1):
+                pipeline.submit_batch()
+            for _ in range(pipeline.worker_count()):
+                nursery.start_soon(pipeline.worker)
+            try:
+                yield stream
+            finally:
+                # Invariant 6: cancel the producers before the channels close.
+                nursery.cancel_scope.cancel()

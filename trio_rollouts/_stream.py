@@ -1,0 +1,207 @@
+"""The consumer's side of the grouped pipeline: :class:`RolloutStream`.
+
+A stream hands out the groups the pipeline's workers finished, in completion order or,
+with ``enforce_order``, as whole batches in ``batch_id`` order. Reordering happens here,
+where groups are taken, so it costs no task. Taking a group is what frees generation
+capacity: the pipeline submits a new batch only when the consumer has taken the last
+group of an outstanding one.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from ._models import RolloutGroup
+
+if TYPE_CHECKING:
+    from ._pipeline import _Pipeline
+
+__all__ = ["RolloutStream", "RolloutStreamStatistics"]
+
+
+@attrs.frozen(kw_only=True)
+class RolloutStreamStatistics:
+    """A snapshot of a pipeline's counters, as :meth:`RolloutStream.statistics` returns.
+
+    - ``started``: ``group_rollout`` calls started (regenerations included).
+    - ``completed``: calls that returned a group.
+    - ``filtered``: completed groups dropped by ``filter_groups_with_same_reward``.
+    - ``delivered``: groups the consumer has taken.
+    - ``in_flight``: calls running now (never more than ``parallel_generation_tasks``).
+    - ``buffered``: finished groups waiting in the stream's buffer (at most
+      ``buffer_size``).
+    - ``reordering``: groups taken out of the buffer but held back by ``enforce_order``
+      until their batch is next and complete.
+    - ``failed``: calls that raised (cancellations at shutdown are not failures).
+    - ``outstanding_batches``: submitted batches whose last group is not yet taken.
+    """
+
+    started: int
+    completed: int
+    filtered: int
+    delivered: int
+    in_flight: int
+    buffered: int
+    reordering: int
+    failed: int
+    outstanding_batches: int
+
+
+class RolloutStream:
+    """The groups of a running pipeline, as :meth:`get_grouped_rollouts` yields it.
+
+    Use it inside the ``async with`` that opened it, from one consumer task::
+
+        async with agent.get_grouped_rollouts(request) as stream:
+            async for group in stream:
+                ...
+
+    A stream cannot be created directly; it belongs to its pipeline.
+    """
+
+    __slots__ = ("_channel", "_enforce_order", "_next_batch_id", "_pipeline", "_ready", "_waiting")
+
+    _pipeline: _Pipeline
+    _channel: trio.MemoryReceiveChannel[RolloutGroup]
+    _enforce_order: bool
+    _ready: collections.deque[RolloutGroup]
+    _waiting: dict[int, list[RolloutGroup]]
+    _next_batch_id: int
+
+    def __init__(self) -> None:
+        msg = "RolloutStream is created by GroupedRolloutGenerator.get_grouped_rollouts()"
+        raise TypeError(msg)
+
+    @classmethod
+    def _from_pipeline(cls, pipeline: _Pipeline) -> RolloutStream:
+        self = object.__new__(cls)
+        self._pipeline = pipeline
+        self._channel = pipeline.receive_channel
+        self._enforce_order = pipeline.request.enforce_order
+        self._ready = collections.deque()  # groups whose turn has come (enforce_order)
+        self._waiting = {}  # batch_id -> groups of batches not yet complete or not yet next
+        self._next_batch_id = 0
+        return self
+
+    def __repr__(self) -> str:
+        return f"<RolloutStream {self.statistics()}>"
+
+    # ---------------------------------------------------------------- ordering
+
+    def _hold(self, group: RolloutGroup) -> None:
+        """Keep a group until its batch is complete and next in line (enforce_order)."""
+        batch = self._waiting.setdefault(group.batch_id, [])
+        batch.append(group)
+        size = self._pipeline.num_groups
+        while len(self._waiting.get(self._next_batch_id, ())) == size:
+            complete = self._waiting.pop(self._next_batch_id)
+            complete.sort(key=lambda g: g.index_in_batch)
+            self._ready.extend(complete)
+            self._next_batch_id += 1
+
+    def _pull_nowait(self) -> RolloutGroup:
+        group = self._channel.receive_nowait()
+        self._pipeline.channel_received()
+        return group
+
+    async def _pull(self) -> RolloutGroup:
+        # A cancellation point always; a schedule point only when it has to wait, so a
+        # consumer takes a full buffer in one go instead of one task switch per group.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            return self._pull_nowait()
+        except trio.WouldBlock:
+            pass
+        group = await self._channel.receive()
+        self._pipeline.channel_received()
+        return group
+
+    def _take(self, group: RolloutGroup) -> RolloutGroup:
+        self._pipeline.group_taken(group)
+        return group
+
+    # ---------------------------------------------------------------- receiving
+
+    async def receive(self) -> RolloutGroup:
+        """Wait for the next group and take it.
+
+        Raises ``trio.EndOfChannel`` when a non-streaming request's batch has been fully
+        taken, and ``trio.ClosedResourceError`` after the ``async with`` has exited.
+
+        Cancellation: always a cancellation point; a schedule point only when it has to
+        wait for a group (so a consumer can take a full buffer without a task switch per
+        group). If it is cancelled, no group is lost: a group that was not returned stays
+        in the stream for the next call.
+        """
+        if not self._enforce_order:
+            return self._take(await self._pull())
+        if not self._ready:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._ready:
+            self._hold(await self._pull())
+        return self._take(self._ready.popleft())
+
+    def try_next(self) -> RolloutGroup | None:
+        """Take a group that is ready now, or return ``None`` at once.
+
+        Never blocks, never cancels or loses work: when nothing is ready (or the stream has
+        ended) it returns ``None`` and the pipeline runs on. Not a checkpoint.
+        """
+        try:
+            if not self._enforce_order:
+                return self._take(self._pull_nowait())
+            while not self._ready:
+                self._hold(self._pull_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
+        return self._take(self._ready.popleft())
+
+    def drain(self, n: int) -> list[RolloutGroup]:
+        """Take up to ``n`` groups that are ready now; never blocks (see :meth:`try_next`).
+
+        Not a checkpoint.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            msg = f"drain(n) needs an int n >= 0, got {n!r}"
+            raise ValueError(msg)
+        groups: list[RolloutGroup] = []
+        while len(groups) < n:
+            group = self.try_next()
+            if group is None:
+                break
+            groups.append(group)
+        return groups
+
+    def __aiter__(self) -> RolloutStream:
+        return self
+
+    async def __anext__(self) -> RolloutGroup:
+        """Async iteration: :meth:`receive` until the stream ends.
+
+        Cancellation: as :meth:`receive`.
+        """
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    # ---------------------------------------------------------------- statistics
+
+    def statistics(self) -> RolloutStreamStatistics:
+        """A snapshot of the pipeline's counters. Not a checkpoint."""
+        p = self._pipeline
+        return RolloutStreamStatistics(
+            started=p.started,
+            completed=p.completed,
+            filtered=p.filtered,
+            delivered=p.delivered,
+            in_flight=p.in_flight,
+            buffered=self._channel.statistics().current_buffer_used,
+            reordering=len(self._ready) + sum(len(b) for b in self._waiting.values()),
+            failed=p.failed,
+            outstanding_batches=p.outstanding_batches,
+        )
