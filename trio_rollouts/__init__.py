@@ -23,6 +23,7 @@ from ._models import Rollout as Rollout
 from ._models import RolloutGroup as RolloutGroup
 from ._models import RolloutRequest as RolloutRequest
 from ._models import TokenRollout as TokenRollout
+from ._stream import EnvironmentStatistics as EnvironmentStatistics
 from ._stream import RolloutStream as RolloutStream
 from ._stream import RolloutStreamStatistics as RolloutStreamStatistics
 from .inference import InferenceInterface as InferenceInterface

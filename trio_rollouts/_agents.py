@@ -159,6 +159,11 @@ class GroupedRolloutGenerator(Agent):
         group_rollout = self.group_rollout
         return lambda batch_id, index_in_batch: group_rollout(request)
 
+    def _slot_environment(self, request: GroupedRolloutRequest) -> Callable[[int, int], str] | None:
+        """The environment (``env_id``) each slot belongs to, for per-environment
+        statistics; ``None`` (the default) keeps no per-environment counters."""
+        return None
+
     def get_grouped_rollouts(
         self, request: GroupedRolloutRequest
     ) -> contextlib.AbstractAsyncContextManager[RolloutStream]:

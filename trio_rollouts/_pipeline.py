@@ -102,6 +102,18 @@ def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRollou
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
+class EnvironmentCounters:
+    """Per-environment counters of a multi-task pipeline (see EnvironmentStatistics)."""
+
+    __slots__ = ("delivered", "failed", "filtered", "started")
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.delivered = 0
+        self.filtered = 0
+        self.failed = 0
+
+
 class _Pipeline:
     """The state shared by the workers and the stream. Only Trio tasks of one run touch
     it, so plain attributes need no lock: every update happens between checkpoints."""
@@ -115,6 +127,10 @@ class _Pipeline:
         self.max_outstanding = agent.parallel_generation_tasks // request.num_groups
         self.max_consecutive_filtered = agent.max_consecutive_filtered
         self.generate = agent._slot_generator(request)
+        # Agents that route slots to environments (multi-task) name each slot's
+        # environment; the pipeline then keeps per-environment counters.
+        self.env_of_slot = agent._slot_environment(request)
+        self.env_counters: dict[str, EnvironmentCounters] = {}
         self.send_channel, self.receive_channel = trio.open_memory_channel[RolloutGroup](
             agent.buffer_size
         )
@@ -169,6 +185,8 @@ class _Pipeline:
     def group_taken(self, group: RolloutGroup) -> None:
         """Called by the stream for every group it hands to the consumer (invariant 2)."""
         self.delivered += 1
+        if self.env_of_slot is not None:
+            self.env_counters_of(group.batch_id, group.index_in_batch).delivered += 1
         if self.num_groups > 1:
             taken = self.taken_in_batch.get(group.batch_id, 0) + 1
             if taken < self.num_groups:
@@ -218,15 +236,20 @@ class _Pipeline:
 
     async def accepted_group(self, batch_id: int, index: int) -> RolloutGroup:
         """Generate the group of one slot, regenerating it while it is filtered."""
+        env = None if self.env_of_slot is None else self.env_counters_of(batch_id, index)
         while True:
             self.started += 1
             self.in_flight += 1
+            if env is not None:
+                env.started += 1
             try:
                 result = await self.generate(batch_id, index)
             except trio.Cancelled:
                 raise
             except BaseException:
                 self.failed += 1
+                if env is not None:
+                    env.failed += 1
                 raise
             finally:
                 self.in_flight -= 1
@@ -236,6 +259,8 @@ class _Pipeline:
                 self.consecutive_filtered = 0
                 return group
             self.filtered += 1
+            if env is not None:
+                env.filtered += 1
             self.consecutive_filtered += 1
             if self.consecutive_filtered > self.max_consecutive_filtered:
                 msg = (
@@ -282,6 +307,13 @@ class _Pipeline:
 
     def where(self, batch_id: int, index: int) -> str:
         return f"{type(self.agent).__name__}.group_rollout (batch_id={batch_id}, index={index})"
+
+    def env_counters_of(self, batch_id: int, index: int) -> EnvironmentCounters:
+        env_id = self.env_of_slot(batch_id, index)  # type: ignore[misc]  # checked by callers
+        counters = self.env_counters.get(env_id)
+        if counters is None:
+            counters = self.env_counters[env_id] = EnvironmentCounters()
+        return counters
 
     def worker_count(self) -> int:
         return self.max_outstanding * self.num_groups if self.streaming else self.num_groups

@@ -20,7 +20,18 @@ from ._models import RolloutGroup
 if TYPE_CHECKING:
     from ._pipeline import _Pipeline
 
-__all__ = ["RolloutStream", "RolloutStreamStatistics"]
+__all__ = ["EnvironmentStatistics", "RolloutStream", "RolloutStreamStatistics"]
+
+
+@attrs.frozen(kw_only=True)
+class EnvironmentStatistics:
+    """One environment's share of a multi-task pipeline's counters (same meanings as in
+    :class:`RolloutStreamStatistics`)."""
+
+    started: int
+    delivered: int
+    filtered: int
+    failed: int
 
 
 @attrs.frozen(kw_only=True)
@@ -38,6 +49,8 @@ class RolloutStreamStatistics:
       until their batch is next and complete.
     - ``failed``: calls that raised (cancellations at shutdown are not failures).
     - ``outstanding_batches``: submitted batches whose last group is not yet taken.
+    - ``per_env``: for agents that route groups to environments (``WeightedMultiTask``),
+      the counters of each environment by ``env_id``; empty otherwise.
     """
 
     started: int
@@ -49,6 +62,7 @@ class RolloutStreamStatistics:
     reordering: int
     failed: int
     outstanding_batches: int
+    per_env: dict[str, EnvironmentStatistics] = attrs.field(factory=dict)
 
 
 class RolloutStream:
@@ -204,4 +218,10 @@ class RolloutStream:
             reordering=len(self._ready) + sum(len(b) for b in self._waiting.values()),
             failed=p.failed,
             outstanding_batches=p.outstanding_batches,
+            per_env={
+                env_id: EnvironmentStatistics(
+                    started=c.started, delivered=c.delivered, filtered=c.filtered, failed=c.failed
+                )
+                for env_id, c in p.env_counters.items()
+            },
         )
