@@ -8,7 +8,9 @@ import trio_rollouts.inference
 DESIGN_NAMES = """
 ChatMessage LLMChatMessage GenerationArgs Request RolloutRequest GroupedRolloutRequest
 Head2HeadRolloutRequest EvaluationRequest Rollout TokenRollout RolloutGroup ContrastiveRollout
-EvaluationResult RewardEvaluationResult EvaluationResponse
+EvaluationResult RewardEvaluationResult EvaluationResponse structure unstructure ValidationError
+dump_jsonl load_jsonl Agent RolloutGenerator TokenizedRolloutGenerator ContrastiveRolloutGenerator
+EvaluationAgent GroupedRolloutGenerator blocking_grouped_rollouts
 InferenceInterface ReturnsRaw ReturnsTokens ReturnsLogProbs InferenceRequest InferenceResponse
 """.split()
 
