@@ -13,9 +13,6 @@ from ._convert import dump_jsonl as dump_jsonl
 from ._convert import load_jsonl as load_jsonl
 from ._convert import structure as structure
 from ._convert import unstructure as unstructure
-from ._failure import FailureBudgetExceededError as FailureBudgetExceededError
-from ._failure import FailurePolicy as FailurePolicy
-from ._failure import GroupTimeoutError as GroupTimeoutError
 from ._models import ChatMessage as ChatMessage
 from ._models import ContrastiveRollout as ContrastiveRollout
 from ._models import EvaluationRequest as EvaluationRequest
