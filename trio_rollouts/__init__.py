@@ -13,6 +13,9 @@ from ._convert import dump_jsonl as dump_jsonl
 from ._convert import load_jsonl as load_jsonl
 from ._convert import structure as structure
 from ._convert import unstructure as unstructure
+from ._failure import FailureBudgetExceededError as FailureBudgetExceededError
+from ._failure import FailurePolicy as FailurePolicy
+from ._failure import GroupTimeoutError as GroupTimeoutError
 from ._models import ChatMessage as ChatMessage
 from ._models import ContrastiveRollout as ContrastiveRollout
 from ._models import EvaluationRequest as EvaluationRequest
@@ -31,9 +34,14 @@ from ._models import TokenRollout as TokenRollout
 from ._stream import EnvironmentStatistics as EnvironmentStatistics
 from ._stream import RolloutStream as RolloutStream
 from ._stream import RolloutStreamStatistics as RolloutStreamStatistics
+from .inference import TRANSIENT_ERRORS as TRANSIENT_ERRORS
+from .inference import EmbeddedInference as EmbeddedInference
+from .inference import InferenceError as InferenceError
 from .inference import InferenceInterface as InferenceInterface
 from .inference import InferenceRequest as InferenceRequest
 from .inference import InferenceResponse as InferenceResponse
+from .inference import LatencyModel as LatencyModel
+from .inference import OpenAIInference as OpenAIInference
 from .inference import ReturnsLogProbs as ReturnsLogProbs
 from .inference import ReturnsRaw as ReturnsRaw
 from .inference import ReturnsTokens as ReturnsTokens

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from ._concurrency import gather
+from ._failure import FailurePolicy
 from ._models import (
     ContrastiveRollout,
     EvaluationRequest,
@@ -136,6 +137,14 @@ class GroupedRolloutGenerator(Agent):
     buffer_size: int = attrs.field(default=10, validator=_int_at_least(0))
     #: With filtering, more filtered groups in a row than this is an error.
     max_consecutive_filtered: int = attrs.field(default=10_000, validator=_int_at_least(1))
+    #: Deadlines, retries and skip-or-raise for failing groups (default: raise at once).
+    failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy)
+
+    @failure_policy.validator
+    def _check_failure_policy(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, FailurePolicy):
+            msg = f"failure_policy must be a FailurePolicy, got {value!r}"
+            raise TypeError(msg)
 
     @abc.abstractmethod
     async def group_rollout(

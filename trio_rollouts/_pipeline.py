@@ -44,9 +44,11 @@ import warnings
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
+import stamina
 import trio
 
 from ._concurrency import flatten_exception_groups
+from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._stream import RolloutStream
 from .inference import ReturnsRaw
@@ -58,6 +60,8 @@ __all__ = ["FILTER_STD_THRESHOLD", "check_grouped_request", "open_grouped_rollou
 
 #: A group whose rewards have a population std at or below this is "all the same".
 FILTER_STD_THRESHOLD = 1e-6
+#: How many of the most recent errors statistics() reports.
+LAST_ERRORS_KEPT = 5
 
 
 def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
@@ -142,6 +146,9 @@ class _Pipeline:
         # Non-streaming: the worker that sends the batch's last group closes the channel.
         self.groups_left_to_send = request.num_groups
         self.consecutive_filtered = 0
+        self.policy = agent.failure_policy
+        self.policy_is_trivial = self.policy.is_trivial
+        self.group_timeout = self.policy.group_timeout
         # Wake-up accounting (see wake_workers): workers that are runnable and will look
         # for a free slot before they next block.
         self.coming_to_claim = 0
@@ -154,6 +161,11 @@ class _Pipeline:
         self.delivered = 0
         self.in_flight = 0
         self.failed = 0
+        self.retries = 0
+        self.timeouts = 0
+        self.skipped = 0
+        self.cancelled = 0
+        self.last_errors: collections.deque[str] = collections.deque(maxlen=LAST_ERRORS_KEPT)
 
     # ---------------------------------------------------------------- submission
 
@@ -224,6 +236,9 @@ class _Pipeline:
                 self.blocked_senders += 1
                 try:
                     await self.send_channel.send(group)
+                except trio.Cancelled:
+                    self.cancelled += 1  # a finished group nobody took
+                    raise
                 finally:
                     self.blocked_senders -= 1
                 # Woken by a receive (counted in channel_received), not cancelled.
@@ -235,26 +250,27 @@ class _Pipeline:
                     self.send_channel.close()
 
     async def accepted_group(self, batch_id: int, index: int) -> RolloutGroup:
-        """Generate the group of one slot, regenerating it while it is filtered."""
+        """Generate the group of one slot: regenerate it while it is filtered or skipped,
+        retry it while it fails transiently (see FailurePolicy)."""
         env = None if self.env_of_slot is None else self.env_counters_of(batch_id, index)
         while True:
-            self.started += 1
-            self.in_flight += 1
-            if env is not None:
-                env.started += 1
+            if self.policy_is_trivial:
+                result = await self.attempt(batch_id, index, env)
+            else:
+                try:
+                    result = await self.attempt_with_retries(batch_id, index, env)
+                except Exception as exc:
+                    if self.policy.on_failure == "raise":
+                        raise
+                    self.skip(exc, batch_id, index)
+                    # A loop of instantly failing calls must stay cancellable.
+                    await trio.lowlevel.checkpoint()
+                    continue
             try:
-                result = await self.generate(batch_id, index)
-            except trio.Cancelled:
+                group = self.make_group(result, batch_id, index)
+            except Exception as exc:
+                self.count_failure(exc, env)
                 raise
-            except BaseException:
-                self.failed += 1
-                if env is not None:
-                    env.failed += 1
-                raise
-            finally:
-                self.in_flight -= 1
-            self.completed += 1
-            group = self.make_group(result, batch_id, index)
             if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
                 self.consecutive_filtered = 0
                 return group
@@ -273,6 +289,78 @@ class _Pipeline:
                 raise RuntimeError(msg)
             # A filtering loop over instant group_rollout calls must stay cancellable.
             await trio.lowlevel.checkpoint()
+
+    async def attempt(self, batch_id: int, index: int, env: EnvironmentCounters | None) -> object:
+        """One ``group_rollout`` call, under the group deadline if there is one."""
+        self.started += 1
+        self.in_flight += 1
+        if env is not None:
+            env.started += 1
+        try:
+            if self.group_timeout is None:
+                result = await self.generate(batch_id, index)
+            else:
+                with trio.move_on_after(self.group_timeout) as deadline:
+                    result = await self.generate(batch_id, index)
+                if deadline.cancelled_caught:
+                    msg = (
+                        f"{self.where(batch_id, index)} took longer than group_timeout="
+                        f"{self.group_timeout} s and was cancelled"
+                    )
+                    raise GroupTimeoutError(msg)
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+        except BaseException as exc:
+            self.count_failure(exc, env)
+            if isinstance(exc, GroupTimeoutError):
+                self.timeouts += 1
+            raise
+        finally:
+            self.in_flight -= 1
+        self.completed += 1
+        return result
+
+    async def attempt_with_retries(
+        self, batch_id: int, index: int, env: EnvironmentCounters | None
+    ) -> object:
+        """Attempts of one group until one succeeds or a failure is final."""
+        policy = self.policy
+        retrying = stamina.retry_context(
+            on=policy.is_transient,
+            attempts=policy.max_attempts,
+            timeout=None,
+            wait_initial=policy.wait_initial,
+            wait_max=policy.wait_max,
+            wait_jitter=policy.wait_jitter,
+        )
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    return await self.attempt(batch_id, index, env)
+                except Exception as exc:
+                    if attempt.num < policy.max_attempts and policy.is_transient(exc):
+                        self.retries += 1
+                    raise
+        msg = "stamina ended the attempts without a result or an error"  # pragma: no cover
+        raise RuntimeError(msg)  # pragma: no cover
+
+    def count_failure(self, exc: BaseException, env: EnvironmentCounters | None) -> None:
+        self.failed += 1
+        if env is not None:
+            env.failed += 1
+        self.last_errors.append(f"{type(exc).__name__}: {exc}")
+
+    def skip(self, exc: Exception, batch_id: int, index: int) -> None:
+        """Give up on the slot's current group (on_failure="skip"); it is generated anew."""
+        self.skipped += 1
+        if self.skipped > self.policy.skip_budget:
+            msg = (
+                f"{self.skipped} groups failed and were skipped, more than skip_budget="
+                f"{self.policy.skip_budget}; last error, at {self.where(batch_id, index)}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise FailureBudgetExceededError(msg, skipped=self.skipped, last_error=exc) from exc
 
     def make_group(self, result: object, batch_id: int, index: int) -> RolloutGroup:
         """Check what ``group_rollout`` returned and wrap it in its slot's RolloutGroup."""
@@ -327,13 +415,17 @@ async def open_grouped_rollouts(
     pipeline = _Pipeline(agent, request)
     stream = RolloutStream._from_pipeline(pipeline)
     with flatten_exception_groups(), pipeline.send_channel, pipeline.receive_channel:
-        async with trio.open_nursery() as nursery:
-            for _ in range(pipeline.max_outstanding if request.streaming else 1):
-                pipeline.submit_batch()
-            for _ in range(pipeline.worker_count()):
-                nursery.start_soon(pipeline.worker)
-            try:
-                yield stream
-            finally:
-                # Invariant 6: cancel the producers before the channels close.
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(pipeline.max_outstanding if request.streaming else 1):
+                    pipeline.submit_batch()
+                for _ in range(pipeline.worker_count()):
+                    nursery.start_soon(pipeline.worker)
+                try:
+                    yield stream
+                finally:
+                    # Invariant 6: cancel the producers before the channels close.
+                    nursery.cancel_scope.cancel()
+        finally:
+            # The ledger: finished groups nobody took end as cancelled at shutdown.
+            pipeline.cancelled += stream._discard_untaken()

@@ -47,7 +47,16 @@ class RolloutStreamStatistics:
       ``buffer_size``).
     - ``reordering``: groups taken out of the buffer but held back by ``enforce_order``
       until their batch is next and complete.
-    - ``failed``: calls that raised (cancellations at shutdown are not failures).
+    - ``failed``: calls that raised or broke the group contract (timeouts included;
+      cancellations at shutdown are not failures).
+    - ``retries``: failed calls that were retried in their slot.
+    - ``timeouts``: failed calls that ran past ``group_timeout``.
+    - ``skipped``: failed calls whose group was given up (``on_failure="skip"``).
+    - ``cancelled``: calls cancelled in flight at shutdown, and finished groups that
+      nobody took before the stream closed.
+    - ``pending``: finished groups not yet taken (buffered, waiting to enter the buffer,
+      or reordering).
+    - ``last_errors``: the most recent failures, as ``"Type: message"``.
     - ``outstanding_batches``: submitted batches whose last group is not yet taken.
     - ``per_env``: for agents that route groups to environments (``WeightedMultiTask``),
       the counters of each environment by ``env_id``; empty otherwise.
@@ -62,7 +71,38 @@ class RolloutStreamStatistics:
     reordering: int
     failed: int
     outstanding_batches: int
+    retries: int = 0
+    timeouts: int = 0
+    skipped: int = 0
+    cancelled: int = 0
+    pending: int = 0
+    last_errors: tuple[str, ...] = ()
     per_env: dict[str, EnvironmentStatistics] = attrs.field(factory=dict)
+
+    @property
+    def attempts(self) -> int:
+        """``group_rollout`` calls started: first attempts, retries and regenerations."""
+        return self.started
+
+    @property
+    def raised(self) -> int:
+        """Failed calls whose error went to the consumer (neither retried nor skipped)."""
+        return self.failed - self.retries - self.skipped
+
+    @property
+    def unaccounted(self) -> int:
+        """The ledger's remainder, always 0: every started call is delivered, filtered,
+        retried, skipped, raised, cancelled, still in flight, or pending."""
+        return self.started - (
+            self.delivered
+            + self.filtered
+            + self.retries
+            + self.skipped
+            + self.raised
+            + self.cancelled
+            + self.in_flight
+            + self.pending
+        )
 
 
 class RolloutStream:
@@ -133,6 +173,19 @@ class RolloutStream:
         group = await self._channel.receive()
         self._pipeline.channel_received()
         return group
+
+    def _discard_untaken(self) -> int:
+        """At shutdown, after the workers are gone: drop the finished groups nobody took,
+        and return how many there were."""
+        count = len(self._ready) + sum(len(batch) for batch in self._waiting.values())
+        self._ready.clear()
+        self._waiting.clear()
+        while True:
+            try:
+                self._channel.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return count
+            count += 1
 
     def _take(self, group: RolloutGroup) -> RolloutGroup:
         self._pipeline.group_taken(group)
@@ -208,16 +261,25 @@ class RolloutStream:
     def statistics(self) -> RolloutStreamStatistics:
         """A snapshot of the pipeline's counters. Not a checkpoint."""
         p = self._pipeline
+        buffered = self._channel.statistics().current_buffer_used
+        reordering = len(self._ready) + sum(len(b) for b in self._waiting.values())
         return RolloutStreamStatistics(
             started=p.started,
             completed=p.completed,
             filtered=p.filtered,
             delivered=p.delivered,
             in_flight=p.in_flight,
-            buffered=self._channel.statistics().current_buffer_used,
-            reordering=len(self._ready) + sum(len(b) for b in self._waiting.values()),
+            buffered=buffered,
+            reordering=reordering,
             failed=p.failed,
             outstanding_batches=p.outstanding_batches,
+            retries=p.retries,
+            timeouts=p.timeouts,
+            skipped=p.skipped,
+            cancelled=p.cancelled,
+            # A worker woken from send has already put its group in the buffer.
+            pending=buffered + reordering + p.blocked_senders - p.woken_senders,
+            last_errors=tuple(p.last_errors),
             per_env={
                 env_id: EnvironmentStatistics(
                     started=c.started, delivered=c.delivered, filtered=c.filtered, failed=c.failed

@@ -1,8 +1,29 @@
 """Inference: the interface agents call, and the backends that implement it."""
 
+from ._embedded import EmbeddedInference as EmbeddedInference
+from ._embedded import HashedPromptPolicy as HashedPromptPolicy
+from ._embedded import LatencyModel as LatencyModel
+from ._embedded import Policy as Policy
+from ._errors import TRANSIENT_ERRORS as TRANSIENT_ERRORS
+from ._errors import AuthenticationError as AuthenticationError
+from ._errors import BadRequestError as BadRequestError
+from ._errors import ConflictError as ConflictError
+from ._errors import InferenceConnectionError as InferenceConnectionError
+from ._errors import InferenceError as InferenceError
+from ._errors import InferenceTimeoutError as InferenceTimeoutError
+from ._errors import MalformedResponseError as MalformedResponseError
+from ._errors import RateLimitError as RateLimitError
+from ._errors import ServerError as ServerError
 from ._interface import InferenceInterface as InferenceInterface
 from ._interface import InferenceRequest as InferenceRequest
 from ._interface import InferenceResponse as InferenceResponse
 from ._interface import ReturnsLogProbs as ReturnsLogProbs
 from ._interface import ReturnsRaw as ReturnsRaw
 from ._interface import ReturnsTokens as ReturnsTokens
+from ._interface import render_plain_chat as render_plain_chat
+from ._openai import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
+from ._openai import DEFAULT_MAX_RETRIES as DEFAULT_MAX_RETRIES
+from ._openai import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._openai import OpenAIInference as OpenAIInference
+from ._openai import OpenAIStatistics as OpenAIStatistics
+from ._openai import RetryBackoff as RetryBackoff

@@ -11,7 +11,8 @@ Agents check the markers, not the backend's class.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import attrs
 import trio
@@ -25,6 +26,7 @@ __all__ = [
     "ReturnsLogProbs",
     "ReturnsRaw",
     "ReturnsTokens",
+    "render_plain_chat",
 ]
 
 
@@ -72,6 +74,18 @@ class InferenceResponse:
     finish_reason: str | None = None
 
 
+def render_plain_chat(messages: list[ChatMessage]) -> str:
+    """The documented plain rendering of a chat, for backends that see no chat template.
+
+    Each message becomes ``"<|role|>\\ncontent\\n"``, and ``"<|assistant|>\\n"`` follows,
+    opening the reply. So ``raw_text`` is ``render_plain_chat(prompt) + completion``
+    when the server does not return the text the model saw.
+    """
+    parts = [f"<|{message.role}|>\n{message.content}\n" for message in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
 class ReturnsRaw:
     """Marker: the interface fills :attr:`InferenceResponse.raw_text`."""
 
@@ -91,12 +105,17 @@ class ReturnsLogProbs(ReturnsTokens):
     __slots__ = ()
 
 
-@attrs.define(kw_only=True)
+@attrs.define(kw_only=True, eq=False)
 class InferenceInterface(abc.ABC):
     """Base of every inference backend.
 
     Subclasses implement :meth:`base_generate`. Callers use :meth:`agenerate` from async
     code and :meth:`generate` from synchronous code that has no event loop running.
+    Interfaces compare and hash by identity: each is a service, not a value.
+
+    ``async with interface:`` (or :meth:`aclose`) releases what the backend holds for
+    the current Trio run (connections, say); backends without such resources inherit
+    the no-op.
     """
 
     def prepare_request(
@@ -132,6 +151,26 @@ class InferenceInterface(abc.ABC):
             msg = f"agenerate() takes an InferenceRequest, got {type(request).__name__}"
             raise TypeError(msg)
         return await self.base_generate(request)
+
+    async def aclose(self) -> None:
+        """Release what this interface holds in the current Trio run. Idempotent; the
+        interface stays usable (resources are made again on the next request).
+
+        Cancellation: the base implementation holds nothing and is only a checkpoint;
+        backends document their own.
+        """
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
     def generate(self, request: InferenceRequest) -> InferenceResponse:
         """Synchronous :meth:`agenerate`: runs its own Trio loop.

@@ -1,0 +1,129 @@
+"""What the grouped pipeline does when a group fails: deadlines, retries, skip or raise.
+
+A :class:`FailurePolicy` is a declaration; ``_pipeline.py`` carries it out. A group
+attempt fails when ``group_rollout`` raises or runs past ``group_timeout``
+(:class:`GroupTimeoutError`). A *transient* failure (``retry_on``) is retried in the same
+slot with exponential backoff and jitter (stamina), up to ``max_attempts`` attempts in
+all. What is left after retries either reaches the consumer (``on_failure="raise"``) or
+is skipped (``"skip"``): the slot is generated afresh, and a skipped group never reaches
+the consumer, as a zero-reward row or otherwise. More than ``skip_budget`` skipped groups
+raise :class:`FailureBudgetExceededError` with the count and the last error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import attrs
+
+from .inference._errors import TRANSIENT_ERRORS
+
+__all__ = [
+    "FailureBudgetExceededError",
+    "FailurePolicy",
+    "GroupTimeoutError",
+    "default_transient_errors",
+]
+
+
+class GroupTimeoutError(TimeoutError):
+    """A ``group_rollout`` call ran past the policy's ``group_timeout`` and was cancelled."""
+
+
+class FailureBudgetExceededError(RuntimeError):
+    """More groups were skipped than ``FailurePolicy.skip_budget`` allows.
+
+    ``skipped`` is the count and ``last_error`` (also the ``__cause__``) the last failure.
+    """
+
+    def __init__(self, message: str, *, skipped: int, last_error: BaseException) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+        self.last_error = last_error
+
+
+def default_transient_errors() -> tuple[type[BaseException], ...]:
+    """The inference layer's transient errors and the group deadline."""
+    return (*TRANSIENT_ERRORS, GroupTimeoutError)
+
+
+def _check_timeout(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        msg = f"group_timeout must be a number of seconds > 0 or None, got {value!r}"
+        raise TypeError(msg)
+    if not value > 0 or math.isnan(value):
+        msg = f"group_timeout must be > 0 seconds (or None for no deadline), got {value!r}"
+        raise ValueError(msg)
+
+
+def _int_at_least(minimum: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
+            raise TypeError(msg)
+        if value < minimum:
+            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
+            raise ValueError(msg)
+
+    return check
+
+
+def _non_negative_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        msg = f"{attribute.name} must be a number of seconds >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_retry_on(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, tuple) or not all(
+        isinstance(t, type) and issubclass(t, Exception) for t in value
+    ):
+        msg = f"retry_on must be a tuple of Exception subclasses, got {value!r}"
+        raise TypeError(msg)
+
+
+def _check_on_failure(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("raise", "skip"):
+        msg = f"on_failure must be 'raise' or 'skip', got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class FailurePolicy:
+    """How a grouped pipeline treats failing groups. The default changes nothing: no
+    deadline, no retry, and the first failure reaches the consumer.
+
+    - ``group_timeout``: seconds one ``group_rollout`` call may take (a cancel scope
+      enforces it); a timed-out call fails with :class:`GroupTimeoutError`.
+    - ``max_attempts``: attempts per group, retries included (1: no retry).
+    - ``retry_on``: exception types that are transient, hence retried. Default: the
+      inference layer's transient errors (connection errors, timeouts, 408/409/429/5xx)
+      and :class:`GroupTimeoutError`.
+    - ``wait_initial``, ``wait_max``, ``wait_jitter``: the exponential backoff between
+      attempts (seconds; stamina's meaning).
+    - ``on_failure``: ``"raise"`` or ``"skip"``; see the module docstring.
+    - ``skip_budget``: at most this many groups may be skipped over the pipeline's life.
+    """
+
+    group_timeout: float | None = attrs.field(default=None, validator=_check_timeout)
+    max_attempts: int = attrs.field(default=1, validator=_int_at_least(1))
+    retry_on: tuple[type[Exception], ...] = attrs.field(
+        factory=default_transient_errors, validator=_check_retry_on
+    )
+    wait_initial: float = attrs.field(default=0.1, validator=_non_negative_seconds)
+    wait_max: float = attrs.field(default=5.0, validator=_non_negative_seconds)
+    wait_jitter: float = attrs.field(default=1.0, validator=_non_negative_seconds)
+    on_failure: Literal["raise", "skip"] = attrs.field(default="raise", validator=_check_on_failure)
+    skip_budget: int = attrs.field(default=100, validator=_int_at_least(0))
+
+    def is_transient(self, exc: Exception) -> bool:
+        """Whether ``exc`` is worth another attempt."""
+        return isinstance(exc, self.retry_on)
+
+    @property
+    def is_trivial(self) -> bool:
+        """No deadline, no retry, failures raise: the pipeline's fast path."""
+        return self.group_timeout is None and self.max_attempts == 1 and self.on_failure == "raise"

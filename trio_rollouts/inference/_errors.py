@@ -1,0 +1,109 @@
+"""The errors an inference backend raises, as one family under :class:`InferenceError`.
+
+Each error says which URL failed, with which HTTP status and what the server said, so a
+log line is enough to act on. :data:`TRANSIENT_ERRORS` lists the ones worth retrying
+(connection failures, timeouts, 408, 409, 429, 5xx); the HTTP backend retries exactly
+these, and callers that add their own retry layer should use the same tuple. No error
+ever carries the API key: the backend redacts it from the server's message before the
+error is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "TRANSIENT_ERRORS",
+    "AuthenticationError",
+    "BadRequestError",
+    "ConflictError",
+    "InferenceConnectionError",
+    "InferenceError",
+    "InferenceTimeoutError",
+    "MalformedResponseError",
+    "RateLimitError",
+    "ServerError",
+]
+
+
+def _rebuild(cls: type[InferenceError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class InferenceError(Exception):
+    """Base of every error an inference backend raises.
+
+    Attributes:
+        url: the URL of the failed request (without credentials), or ``None``.
+        status: the HTTP status code, or ``None`` when no response arrived.
+        server_message: what the server said about the error (its JSON ``message`` or
+            the start of its body), with any API key redacted; ``None`` if nothing.
+        retry_after: seconds the server asked us to wait (``Retry-After``), or ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        status: int | None = None,
+        server_message: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.server_message = server_message
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only attributes do not survive Exception's default pickling.
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+class AuthenticationError(InferenceError):
+    """The server refused the credentials (HTTP 401 or 403). Not retried."""
+
+
+class BadRequestError(InferenceError):
+    """The server rejected the request (a 4xx other than 401, 403, 408, 409 and 429).
+    Not retried: sending it again would fail again."""
+
+
+class ConflictError(InferenceError):
+    """HTTP 409: the server could not serve the request now (e.g. a lock). Transient."""
+
+
+class RateLimitError(InferenceError):
+    """HTTP 429: too many requests. Transient; ``retry_after`` says how long to wait."""
+
+
+class ServerError(InferenceError):
+    """HTTP 5xx: the server failed. Transient."""
+
+
+class InferenceTimeoutError(InferenceError):
+    """A connect, read, write or pool timeout, or HTTP 408. Transient."""
+
+
+class InferenceConnectionError(InferenceError):
+    """The connection failed or broke before a complete response arrived. Transient."""
+
+
+class MalformedResponseError(InferenceError):
+    """The server answered 2xx with a body that is not the JSON the API promises. Not
+    retried: a server that returns garbage usually keeps doing so."""
+
+
+#: The errors worth retrying: the server or the network may recover. The HTTP backend
+#: retries these (at most ``max_retries`` times) and nothing else.
+TRANSIENT_ERRORS: tuple[type[InferenceError], ...] = (
+    InferenceConnectionError,
+    InferenceTimeoutError,
+    ConflictError,
+    RateLimitError,
+    ServerError,
+)

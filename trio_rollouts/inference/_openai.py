@@ -1,0 +1,793 @@
+"""The HTTP backend: any OpenAI-compatible server (vLLM, SGLang, Megatron, OpenAI) over httpx2.
+
+:class:`OpenAIInference` is configuration only; everything mutable (the httpx2
+``AsyncClient``, in-flight counts, the round-robin cursor) lives in a per-Trio-run state
+held in a :class:`trio.lowlevel.RunVar`. The client is made lazily by the first request
+of a run and closed when that run ends, by a system task that Trio cancels after the
+main task returns; so a pipeline never manages it, a sync :meth:`generate` (its own
+``trio.run``) leaves nothing behind, and no client outlives the loop it is bound to.
+``async with interface:`` / :meth:`OpenAIInference.aclose` close it earlier. Each request
+goes to the least-loaded replica and is retried, through stamina, on
+:data:`TRANSIENT_ERRORS` only. httpx2 (not httpx 0.x with httpcore 1.x, which loses
+pool slots when Trio cancels a queued request) keeps cancellation from leaking
+connections: a cancelled request releases its slot before ``Cancelled`` propagates.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import functools
+import logging
+import math
+import os
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import attrs
+import httpx2
+import stamina
+import trio
+
+from .._models import ChatMessage
+from ._errors import (
+    TRANSIENT_ERRORS,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InferenceConnectionError,
+    InferenceError,
+    InferenceTimeoutError,
+    MalformedResponseError,
+    RateLimitError,
+    ServerError,
+)
+from ._interface import (
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    ReturnsLogProbs,
+    ReturnsRaw,
+    render_plain_chat,
+)
+
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_TIMEOUT",
+    "OpenAIInference",
+    "OpenAIStatistics",
+    "RetryBackoff",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Per attempt: 5 s to connect, 600 s to read or write (a long generation is normal),
+#: and no pool timeout: a request waits for a free connection as long as its caller's
+#: cancel scope allows, because the pipeline, not the pool, bounds concurrency.
+DEFAULT_TIMEOUT = httpx2.Timeout(600.0, connect=5.0, pool=None)
+
+#: Connections to all replicas together. Keep it below ``ulimit -n``.
+DEFAULT_MAX_CONNECTIONS = 256
+
+#: Retries after the first attempt, on :data:`TRANSIENT_ERRORS` only.
+DEFAULT_MAX_RETRIES = 3
+
+#: Idle keep-alive connections are closed after this many seconds.
+_KEEPALIVE_EXPIRY = 5.0
+
+#: How long closing the client at the end of a run may take before it is abandoned.
+_CLOSE_GRACE = 5.0
+
+#: Server messages are cut to this many characters in errors.
+_MAX_SERVER_MESSAGE = 500
+
+_ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+#: Keys of a returned chat message kept in ``ChatMessage.extra`` (others, such as the
+#: token-id copies Megatron's server puts in the message, are dropped).
+_MESSAGE_EXTRA_KEYS = ("tool_calls", "function_call", "refusal", "reasoning", "reasoning_content")
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _check_non_negative(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        msg = f"{attribute.name} must be a number of seconds >= 0, got {value!r}"
+        raise TypeError(msg)
+    if not math.isfinite(value) or value < 0:
+        msg = f"{attribute.name} must be a finite number of seconds >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class RetryBackoff:
+    """How long to wait between attempts.
+
+    Before retry ``n`` (1-based) the wait is ``min(maximum, initial * 2 ** (n - 1) +
+    uniform(0, jitter))`` seconds (stamina's exponential backoff with jitter). When the
+    failed response carries ``Retry-After`` (or ``retry-after-ms``), that wait is used
+    instead, capped at ``max_retry_after``.
+    """
+
+    initial: float = attrs.field(default=0.5, validator=_check_non_negative)
+    maximum: float = attrs.field(default=8.0, validator=_check_non_negative)
+    jitter: float = attrs.field(default=1.0, validator=_check_non_negative)
+    max_retry_after: float = attrs.field(default=60.0, validator=_check_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class OpenAIStatistics:
+    """Counters of one :class:`OpenAIInference` in the current Trio run, per replica
+    (in ``base_urls`` order, shown without credentials): attempts on the wire now
+    (``in_flight``), attempts sent (``attempts``), and retries made across all replicas
+    (``retries``)."""
+
+    base_urls: tuple[str, ...]
+    in_flight: tuple[int, ...]
+    attempts: tuple[int, ...]
+    retries: int
+
+
+def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
+    urls = [value] if isinstance(value, str) else value
+    if not isinstance(urls, (list, tuple)) or not urls:
+        msg = f"base_url must be a URL string or a non-empty list of them, got {value!r}"
+        raise TypeError(msg)
+    result: list[str] = []
+    for url in urls:
+        if not isinstance(url, str):
+            msg = f"base_url entries must be strings, got {type(url).__name__} {url!r}"
+            raise TypeError(msg)
+        try:
+            parsed = httpx2.URL(url)
+        except httpx2.InvalidURL as exc:
+            msg = f"base_url {_display_url(url)!r} is not a valid URL: {exc}"
+            raise ValueError(msg) from exc
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            msg = (
+                f"base_url must be an http(s) URL including the API prefix, such as "
+                f"'http://127.0.0.1:8000/v1', got {_display_url(url)!r}"
+            )
+            raise ValueError(msg)
+        normalized = url.rstrip("/")
+        if normalized in result:
+            msg = f"base_url lists {_display_url(url)!r} twice; give each replica once"
+            raise ValueError(msg)
+        result.append(normalized)
+    return tuple(result)
+
+
+def _display_url(url: str) -> str:
+    """The URL without user credentials, for messages."""
+    try:
+        return str(httpx2.URL(url).copy_with(username=None, password=None))
+    except (httpx2.InvalidURL, TypeError, ValueError):
+        return "<unparsable URL>"
+
+
+def _repr_urls(urls: tuple[str, ...]) -> str:
+    return repr(tuple(_display_url(url) for url in urls))
+
+
+@functools.cache
+def _default_ssl_context() -> ssl.SSLContext:
+    # Loading the CA bundle takes tens of milliseconds; a client is made per Trio run
+    # (per sync generate() call), and SSLContext objects can be shared.
+    return httpx2.create_ssl_context()
+
+
+def _api_key_from_environment() -> str | None:
+    return os.environ.get("OPENAI_API_KEY") or None
+
+
+def _mask_api_key(value: str | None) -> str:
+    return "None" if value is None else "'***'"
+
+
+def _check_api_key(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        msg = f"api_key must be a str or None, got {type(value).__name__}"
+        raise TypeError(msg)
+
+
+def _check_model(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        msg = f"model must be a str (the served model's name), got {value!r}"
+        raise TypeError(msg)
+    if not value:
+        msg = "model must not be empty: give the served model's name"
+        raise ValueError(msg)
+
+
+def _check_count(minimum: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
+            raise TypeError(msg)
+        if value < minimum:
+            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
+            raise ValueError(msg)
+
+    return check
+
+
+def _to_timeout(value: httpx2.Timeout | float | None) -> httpx2.Timeout:
+    if isinstance(value, httpx2.Timeout):
+        return value
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return httpx2.Timeout(value)
+    msg = f"timeout must be an httpx2.Timeout, a number of seconds or None, got {value!r}"
+    raise TypeError(msg)
+
+
+def _check_extra_body(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        msg = f"extra_body must be a dict with str keys, got {value!r:.80}"
+        raise TypeError(msg)
+
+
+# --------------------------------------------------------------------------- per-run state
+
+
+@attrs.define(eq=False)
+class _RunState:
+    """What one Trio run holds for one interface."""
+
+    client: httpx2.AsyncClient
+    in_flight: list[int]
+    attempts: list[int]
+    retries: int = 0
+    next_replica: int = 0
+    keeper_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    closed: trio.Event = attrs.field(factory=trio.Event)
+
+
+async def _close_at_run_exit(state: _RunState) -> None:
+    """System task: keeps the client open until aclose() or the end of the Trio run."""
+    try:
+        with state.keeper_scope:
+            await trio.sleep_forever()
+    finally:
+        # Trio cancels system tasks once the main task has returned; the shield lets the
+        # sockets close anyway, and the grace bound keeps a stuck close from hanging exit.
+        with trio.move_on_after(_CLOSE_GRACE, shield=True):
+            try:
+                await state.client.aclose()
+            except Exception:
+                # An exception escaping a system task would crash the whole run.
+                logger.warning("closing the inference HTTP client failed", exc_info=True)
+        state.closed.set()
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
+    """An OpenAI-compatible HTTP server (vLLM, SGLang, Megatron, OpenAI) as an inference
+    interface. Frozen: it is configuration; what changes lives with each Trio run.
+
+    - ``base_url``: the API root including ``/v1`` (as in the OpenAI SDK), or a list of
+      them: replicas serving the same model. Each attempt goes to the replica with the
+      fewest attempts in flight, ties broken round-robin.
+    - ``model``: the served model's name. ``api_key``: sent as ``Authorization: Bearer``;
+      ``None`` reads ``OPENAI_API_KEY`` (no header when neither is set). It never
+      appears in a repr, a log line or an error.
+    - ``endpoint``: ``"chat"`` (``/chat/completions``) or ``"completions"``
+      (``/completions``, with the prompt rendered by ``render_prompt``; no tools).
+    - ``max_connections``: connections to all replicas together (:data:`DEFAULT_MAX_CONNECTIONS`);
+      requests beyond it queue. ``timeout``: an ``httpx2.Timeout`` or seconds, per attempt
+      (:data:`DEFAULT_TIMEOUT`). Bound a whole request, retries included, with a Trio
+      cancel scope around the call.
+    - ``max_retries``: retries after the first attempt on :data:`TRANSIENT_ERRORS` only
+      (:data:`DEFAULT_MAX_RETRIES`), waiting as ``backoff`` says.
+    - ``return_token_ids`` / ``return_logprobs``: ask for token ids (vLLM's
+      ``return_token_ids``) and log-probabilities (``logprobs``). Turn off for servers
+      that reject unknown fields (api.openai.com rejects ``return_token_ids``).
+    - ``extra_body``: more top-level JSON fields for every request (e.g.
+      ``{"min_p": 0.05}``); they override the two flags above but never the model, the
+      prompt, the tools or a set generation argument.
+
+    Every set field of the request's ``GenerationArgs`` is forwarded as is
+    (``temperature``, ``top_p``, ``max_tokens``, and ``top_k`` as a top-level key, which
+    vLLM and SGLang accept); unset ones are left out, so the server's defaults apply.
+
+    The response fills ``raw_text`` (the server's ``raw_text`` when it sends one, as
+    Megatron's does; else the prompt sent to ``/completions``, or
+    ``render_plain_chat(prompt)``, followed by the completion), ``token_ids`` and
+    ``prompt_length`` when the server returns prompt and generated ids, ``logprobs``,
+    ``finish_reason``, and Megatron's ``policy_epoch``, ``kv_cache_epoch`` and
+    ``num_evictions`` when present. See ``docs/backends.md``.
+    """
+
+    base_url: tuple[str, ...] = attrs.field(converter=_to_base_urls, repr=_repr_urls)
+    model: str = attrs.field(validator=_check_model)
+    api_key: str | None = attrs.field(
+        factory=_api_key_from_environment, validator=_check_api_key, repr=_mask_api_key
+    )
+    endpoint: Literal["chat", "completions"] = attrs.field(
+        default="chat", validator=attrs.validators.in_(("chat", "completions"))
+    )
+    max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_check_count(1))
+    timeout: httpx2.Timeout = attrs.field(default=DEFAULT_TIMEOUT, converter=_to_timeout)
+    max_retries: int = attrs.field(default=DEFAULT_MAX_RETRIES, validator=_check_count(0))
+    backoff: RetryBackoff = attrs.field(
+        factory=RetryBackoff, validator=attrs.validators.instance_of(RetryBackoff)
+    )
+    return_token_ids: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    return_logprobs: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    extra_body: dict[str, Any] = attrs.field(factory=dict, validator=_check_extra_body)
+    render_prompt: Callable[[list[ChatMessage]], str] = attrs.field(
+        default=render_plain_chat, validator=attrs.validators.is_callable(), repr=False
+    )
+    # The replicas as shown in errors (no credentials), parsed once, not per attempt.
+    _shown_urls: tuple[str, ...] = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(
+            lambda self: tuple(_display_url(url) for url in self.base_url), takes_self=True
+        ),
+    )
+    _run_state: trio.lowlevel.RunVar[_RunState | None] = attrs.field(
+        init=False,
+        repr=False,
+        factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference"),
+    )
+
+    @property
+    def limits(self) -> httpx2.Limits:
+        """The ``httpx2.Limits`` the client uses: ``max_connections`` in total, as many
+        kept alive, idle ones closed after 5 s."""
+        return httpx2.Limits(
+            max_connections=self.max_connections,
+            max_keepalive_connections=self.max_connections,
+            keepalive_expiry=_KEEPALIVE_EXPIRY,
+        )
+
+    # ----------------------------------------------------------------------- lifetime
+
+    def _make_client(self) -> httpx2.AsyncClient:
+        headers = {"Accept": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return httpx2.AsyncClient(
+            timeout=self.timeout,
+            limits=self.limits,
+            headers=headers,
+            verify=_default_ssl_context(),
+        )
+
+    def _state(self) -> _RunState:
+        state = self._run_state.get(None)
+        if state is None:
+            n = len(self.base_url)
+            state = _RunState(client=self._make_client(), in_flight=[0] * n, attempts=[0] * n)
+            self._run_state.set(state)
+            trio.lowlevel.spawn_system_task(
+                _close_at_run_exit, state, name=f"{type(self).__name__} client keeper"
+            )
+        return state
+
+    async def aclose(self) -> None:
+        """Close this run's HTTP client and its connections. Idempotent; a later request
+        in the same run opens a new client. Requests still in flight on the old client
+        fail with :class:`InferenceConnectionError`.
+
+        You rarely need it: the client of a Trio run is closed when the run ends.
+
+        Cancellation: a checkpoint. If cancelled while waiting, the close still completes
+        (it runs shielded, in the task that owns the client).
+        """
+        state = self._run_state.get(None)
+        if state is None:
+            await trio.lowlevel.checkpoint()
+            return
+        self._run_state.set(None)
+        state.keeper_scope.cancel()
+        await state.closed.wait()
+
+    def statistics(self) -> OpenAIStatistics:
+        """Counters for the current Trio run (zeros outside a run and before its first
+        request; restarted by :meth:`aclose`)."""
+        try:
+            state = self._run_state.get(None)
+        except RuntimeError:  # outside a Trio run
+            state = None
+        n = len(self.base_url)
+        if state is None:
+            return OpenAIStatistics(
+                base_urls=self._shown_urls, in_flight=(0,) * n, attempts=(0,) * n, retries=0
+            )
+        return OpenAIStatistics(
+            base_urls=self._shown_urls,
+            in_flight=tuple(state.in_flight),
+            attempts=tuple(state.attempts),
+            retries=state.retries,
+        )
+
+    # ----------------------------------------------------------------------- requests
+
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        """Send ``request`` to the least-loaded replica, retrying transient failures.
+
+        Raises an :class:`InferenceError` subclass naming the URL, the status and the
+        server's message; after retries, the last attempt's error, with a note counting
+        the attempts. ``ValueError`` for tools with ``endpoint="completions"``.
+
+        Cancellation: cancellable at any point, including during a backoff wait. A
+        cancelled request releases its connection slot and its in-flight count before
+        ``trio.Cancelled`` propagates; the server may still finish the generation.
+        """
+        body = self._request_body(request)
+        path = _ENDPOINT_PATHS[self.endpoint]
+        state = self._state()
+        attempt_number = 0
+        try:
+            async for attempt in stamina.retry_context(
+                on=self._retry_wait,
+                attempts=self.max_retries + 1,
+                timeout=None,
+                wait_initial=self.backoff.initial,
+                wait_max=self.backoff.maximum,
+                wait_jitter=self.backoff.jitter,
+            ):
+                with attempt:
+                    attempt_number = attempt.num
+                    if attempt_number > 1:
+                        state.retries += 1
+                    return await self._attempt(state, request, body, path)
+        except InferenceError as exc:
+            if attempt_number > 1:
+                exc.add_note(
+                    f"gave up after {attempt_number} attempts (max_retries={self.max_retries})"
+                )
+            raise
+        msg = "stamina.retry_context ended without an outcome"  # pragma: no cover
+        raise RuntimeError(msg)  # pragma: no cover
+
+    def _retry_wait(self, exc: Exception) -> bool | float:
+        """stamina's hook: retry transient errors, after ``Retry-After`` when given."""
+        if not isinstance(exc, TRANSIENT_ERRORS):
+            return False
+        if exc.retry_after is not None:
+            return min(exc.retry_after, self.backoff.max_retry_after)
+        return True
+
+    def _request_body(self, request: InferenceRequest) -> dict[str, Any]:
+        flags: dict[str, Any] = {}
+        required: dict[str, Any] = {"model": self.model}
+        if self.endpoint == "chat":
+            if self.return_logprobs:
+                flags["logprobs"] = True
+            required["messages"] = [_message_json(message) for message in request.prompt]
+            if request.tools:
+                required["tools"] = request.tools
+        else:
+            if request.tools:
+                msg = (
+                    f"{type(self).__name__} with endpoint='completions' cannot send tools; "
+                    "use endpoint='chat'"
+                )
+                raise ValueError(msg)
+            if self.return_logprobs:
+                # 1, not 0: some servers treat 0 as "no logprobs".
+                flags["logprobs"] = 1
+            required["prompt"] = self.render_prompt(request.prompt)
+        if self.return_token_ids:
+            flags["return_token_ids"] = True
+        return {
+            **flags,
+            **self.extra_body,
+            **required,
+            **request.generation_args.set_fields(),
+        }
+
+    def _pick_replica(self, state: _RunState) -> int:
+        n = len(state.in_flight)
+        start = state.next_replica
+        index = min(range(n), key=lambda i: (state.in_flight[i], (i - start) % n))
+        state.next_replica = (index + 1) % n
+        return index
+
+    async def _attempt(
+        self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
+    ) -> InferenceResponse:
+        index = self._pick_replica(state)
+        url = self.base_url[index] + path
+        shown = self._shown_urls[index] + path
+        state.in_flight[index] += 1
+        state.attempts[index] += 1
+        try:
+            response = await state.client.post(url, json=body)
+        except httpx2.TimeoutException as exc:
+            msg = f"POST {shown} timed out ({_describe(exc)})"
+            raise InferenceTimeoutError(msg, url=shown) from exc
+        except (httpx2.NetworkError, httpx2.RemoteProtocolError) as exc:
+            msg = f"POST {shown} failed: {_describe(exc)}"
+            raise InferenceConnectionError(msg, url=shown) from exc
+        except httpx2.HTTPError as exc:
+            msg = f"POST {shown} failed: {_describe(exc)}"
+            raise InferenceError(msg, url=shown) from exc
+        finally:
+            state.in_flight[index] -= 1
+        if not 200 <= response.status_code < 300:
+            raise self._status_error(response, shown)
+        return self._parse(request, body, response, shown)
+
+    def _redact(self, text: str) -> str:
+        if self.api_key:
+            text = text.replace(self.api_key, "***")
+        return text
+
+    def _status_error(self, response: httpx2.Response, shown: str) -> InferenceError:
+        status = response.status_code
+        server_message = self._redact(_server_message(response))[:_MAX_SERVER_MESSAGE] or None
+        retry_after = _retry_after(response.headers)
+        msg = f"POST {shown} returned {status} {response.reason_phrase}"
+        if server_message:
+            msg += f": {server_message}"
+        cls: type[InferenceError]
+        if status in (401, 403):
+            cls = AuthenticationError
+            msg += " (check api_key or OPENAI_API_KEY)"
+        elif status == 408:
+            cls = InferenceTimeoutError
+        elif status == 409:
+            cls = ConflictError
+        elif status == 429:
+            cls = RateLimitError
+        elif 400 <= status < 500:
+            cls = BadRequestError
+        elif status >= 500:
+            cls = ServerError
+        else:
+            cls = InferenceError
+            msg += " (an unexpected status: is base_url the API root, such as '.../v1'?)"
+        return cls(
+            msg, url=shown, status=status, server_message=server_message, retry_after=retry_after
+        )
+
+    # ----------------------------------------------------------------------- parsing
+
+    def _parse(
+        self,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        response: httpx2.Response,
+        shown: str,
+    ) -> InferenceResponse:
+        try:
+            data = response.json()
+        except ValueError as exc:
+            start = self._redact(response.text[:200])
+            msg = f"POST {shown} returned {response.status_code} but its body is not JSON ({exc})"
+            msg += f"; it starts {start!r}"
+            raise MalformedResponseError(msg, url=shown, status=response.status_code) from exc
+        try:
+            return self._parse_json(request, body, data)
+        except _BadField as exc:
+            msg = f"POST {shown} returned {response.status_code} but {exc}"
+            raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
+
+    def _parse_json(
+        self, request: InferenceRequest, body: dict[str, Any], data: object
+    ) -> InferenceResponse:
+        if not isinstance(data, dict):
+            msg = f"its JSON is a {type(data).__name__}, not an object"
+            raise _BadField(msg)
+        choices = data.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            msg = "$.choices is not a non-empty list of objects"
+            raise _BadField(msg)
+        choice: dict[str, Any] = choices[0]
+
+        if self.endpoint == "chat":
+            message = choice.get("message")
+            if not isinstance(message, dict):
+                msg = "$.choices[0].message is not an object"
+                raise _BadField(msg)
+            # A reply that only calls tools has null content.
+            content = _optional_str(message, "content", "$.choices[0].message") or ""
+            role = _optional_str(message, "role", "$.choices[0].message") or "assistant"
+            extra = {key: message[key] for key in _MESSAGE_EXTRA_KEYS if message.get(key)}
+            reply = ChatMessage(role=role, content=content, extra=extra)
+            prompt_text = render_plain_chat(request.prompt)
+            # vLLM puts the prompt's ids at the top level, Megatron on the choice.
+            prompt_ids = _int_list(choice, "prompt_token_ids")
+            if prompt_ids is None:
+                prompt_ids = _int_list(data, "prompt_token_ids", "$")
+            logprobs = _chat_logprobs(choice)
+        else:
+            text = _optional_str(choice, "text")
+            if text is None:
+                msg = "$.choices[0].text is missing"
+                raise _BadField(msg)
+            reply = ChatMessage(role="assistant", content=text)
+            prompt_text = body["prompt"]
+            prompt_ids = _int_list(choice, "prompt_token_ids")
+            logprobs = _completion_logprobs(choice)
+
+        generated_ids = _int_list(choice, "token_ids")  # vLLM
+        if generated_ids is None:
+            generated_ids = _int_list(choice, "generation_token_ids")  # Megatron
+        megatron_logprobs = _float_list(choice, "generation_log_probs")
+        if megatron_logprobs is not None:
+            logprobs = megatron_logprobs
+        token_ids = prompt_length = None
+        if prompt_ids is not None and generated_ids is not None:
+            token_ids = prompt_ids + generated_ids
+            prompt_length = len(prompt_ids)
+        raw_text = _optional_str(choice, "raw_text")  # Megatron: what the model saw
+        return InferenceResponse(
+            response=reply,
+            raw_text=raw_text if raw_text is not None else prompt_text + reply.content,
+            token_ids=token_ids,
+            prompt_length=prompt_length,
+            logprobs=logprobs,
+            policy_epoch=_epochs(choice, "policy_epoch"),
+            kv_cache_epoch=_epochs(choice, "kv_cache_epoch"),
+            num_evictions=_optional_int(choice, "num_evictions") or 0,
+            finish_reason=_optional_str(choice, "finish_reason"),
+        )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _message_json(message: ChatMessage) -> dict[str, Any]:
+    # Extra keys (tool_calls, tool_call_id, name) pass through; role and content win.
+    return {**message.extra, "role": message.role, "content": message.content}
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _server_message(response: httpx2.Response) -> str:
+    """The error text a server sent: OpenAI's ``error.message``, vLLM's ``message``,
+    FastAPI's ``detail``, or else the body itself."""
+    try:
+        text = response.text
+    except (UnicodeDecodeError, LookupError):
+        return ""
+    try:
+        data = response.json()
+    except ValueError:
+        return text.strip()
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        for value in (error, data.get("message"), data.get("detail")):
+            if isinstance(value, str):
+                return value
+    return text.strip()
+
+
+def _retry_after(headers: httpx2.Headers) -> float | None:
+    """Seconds from ``retry-after-ms`` (OpenAI) or ``Retry-After`` (seconds or a date)."""
+    milliseconds = headers.get("retry-after-ms")
+    if milliseconds is not None:
+        try:
+            seconds = float(milliseconds) / 1000
+        except ValueError:
+            seconds = math.nan
+        if math.isfinite(seconds):
+            return max(0.0, seconds)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+class _BadField(Exception):
+    """A field of a 2xx response body has the wrong shape (the message names its path)."""
+
+
+_CHOICE = "$.choices[0]"
+
+
+def _optional_str(obj: dict[str, Any], key: str, where: str = _CHOICE) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        msg = f"{where}.{key} is a {type(value).__name__}, not a string"
+        raise _BadField(msg)
+    return value
+
+
+def _optional_int(obj: dict[str, Any], key: str, where: str = _CHOICE) -> int | None:
+    value = obj.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        msg = f"{where}.{key} is {value!r:.40}, not an int"
+        raise _BadField(msg)
+    return value
+
+
+def _int_list(obj: dict[str, Any], key: str, where: str = _CHOICE) -> list[int] | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        msg = f"{where}.{key} is not a list of ints"
+        raise _BadField(msg)
+    return list(value)
+
+
+def _numbers(value: object, path: str) -> list[float]:
+    if not isinstance(value, list) or not all(
+        isinstance(item, (int, float)) and not isinstance(item, bool) for item in value
+    ):
+        msg = f"{path} is not a list of numbers, one per generated token"
+        raise _BadField(msg)
+    return [float(item) for item in value]
+
+
+def _float_list(obj: dict[str, Any], key: str, where: str = _CHOICE) -> list[float] | None:
+    value = obj.get(key)
+    return None if value is None else _numbers(value, f"{where}.{key}")
+
+
+def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    """``logprobs.content[i].logprob`` of a chat choice."""
+    logprobs = choice.get("logprobs")
+    if logprobs is None:
+        return None
+    if not isinstance(logprobs, dict):
+        msg = f"{_CHOICE}.logprobs is not an object"
+        raise _BadField(msg)
+    content = logprobs.get("content")
+    if content is None:
+        return None
+    path = f"{_CHOICE}.logprobs.content"
+    if not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
+        msg = f"{path} is not a list of objects"
+        raise _BadField(msg)
+    return _numbers([item.get("logprob") for item in content], f"{path}[*].logprob")
+
+
+def _completion_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    """``logprobs.token_logprobs`` of a completions choice."""
+    logprobs = choice.get("logprobs")
+    if logprobs is None:
+        return None
+    if not isinstance(logprobs, dict):
+        msg = f"{_CHOICE}.logprobs is not an object"
+        raise _BadField(msg)
+    return _float_list(logprobs, "token_logprobs", f"{_CHOICE}.logprobs")
+
+
+def _epochs(obj: dict[str, Any], key: str) -> list[tuple[int, int]]:
+    """Megatron's ``(start_token_index, epoch)`` pairs; a bare int ``e`` means
+    ``[(0, e)]``; absent means ``[]``."""
+    value = obj.get(key)
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [(0, value)]
+    pairs: list[tuple[int, int]] = []
+    for item in value if isinstance(value, list) else [None]:
+        if (
+            not isinstance(item, (list, tuple))
+            or len(item) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+        ):
+            msg = f"{_CHOICE}.{key} is not a list of [start_token_index, epoch] pairs"
+            raise _BadField(msg)
+        pairs.append((item[0], item[1]))
+    return pairs
