@@ -13,6 +13,13 @@ from ._convert import dump_jsonl as dump_jsonl
 from ._convert import load_jsonl as load_jsonl
 from ._convert import structure as structure
 from ._convert import unstructure as unstructure
+from ._evaluation import PassAtKEvaluationAgent as PassAtKEvaluationAgent
+from ._evaluation import PassAtKEvaluationResponse as PassAtKEvaluationResponse
+from ._evaluation import PassAtKResult as PassAtKResult
+from ._evaluation import Problem as Problem
+from ._evaluation import merge_evaluation_responses as merge_evaluation_responses
+from ._evaluation import pass_at_k as pass_at_k
+from ._evaluation import shard_indices as shard_indices
 from ._failure import FailureBudgetExceededError as FailureBudgetExceededError
 from ._failure import FailurePolicy as FailurePolicy
 from ._failure import GroupTimeoutError as GroupTimeoutError
@@ -31,6 +38,9 @@ from ._models import Rollout as Rollout
 from ._models import RolloutGroup as RolloutGroup
 from ._models import RolloutRequest as RolloutRequest
 from ._models import TokenRollout as TokenRollout
+from ._multitask import MultiTaskEvaluationResponse as MultiTaskEvaluationResponse
+from ._multitask import WeightedMultiTask as WeightedMultiTask
+from ._multitask import WeightedTask as WeightedTask
 from ._stream import EnvironmentStatistics as EnvironmentStatistics
 from ._stream import RolloutStream as RolloutStream
 from ._stream import RolloutStreamStatistics as RolloutStreamStatistics

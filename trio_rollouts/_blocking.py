@@ -127,6 +127,9 @@ class BlockingRolloutStream:
         stream = self._require_stream()
 
         async def get_one() -> RolloutGroup | None:
+            # A ready group is returned even with timeout=0.
+            if (ready := stream.try_next()) is not None:
+                return ready
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 return await stream.receive()
             return None
@@ -158,6 +161,7 @@ class BlockingRolloutStream:
 
         async def take_rest() -> None:
             nonlocal timed_out
+            groups.extend(stream.drain(n - len(groups)))  # ready ones, even with timeout=0
             with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
                 try:
                     while len(groups) < n:

@@ -165,6 +165,9 @@ class _Pipeline:
         self.timeouts = 0
         self.skipped = 0
         self.cancelled = 0
+        # Accepted groups the consumer has not taken (buffered, in a sender's hands, handed
+        # to a consumer that has not run yet, or reordering): the ledger's "pending".
+        self.untaken = 0
         self.last_errors: collections.deque[str] = collections.deque(maxlen=LAST_ERRORS_KEPT)
 
     # ---------------------------------------------------------------- submission
@@ -197,6 +200,7 @@ class _Pipeline:
     def group_taken(self, group: RolloutGroup) -> None:
         """Called by the stream for every group it hands to the consumer (invariant 2)."""
         self.delivered += 1
+        self.untaken -= 1
         if self.env_of_slot is not None:
             self.env_counters_of(group.batch_id, group.index_in_batch).delivered += 1
         if self.num_groups > 1:
@@ -222,6 +226,7 @@ class _Pipeline:
             batch_id, index = self.free_slots.popleft()
             self.wake_workers()
             group = await self.accepted_group(batch_id, index)
+            self.untaken += 1
             if self.blocked_senders > self.woken_senders:
                 full = True  # senders already wait: the buffer has no room
             else:
@@ -237,6 +242,7 @@ class _Pipeline:
                 try:
                     await self.send_channel.send(group)
                 except trio.Cancelled:
+                    self.untaken -= 1
                     self.cancelled += 1  # a finished group nobody took
                     raise
                 finally:
@@ -428,4 +434,6 @@ async def open_grouped_rollouts(
                     nursery.cancel_scope.cancel()
         finally:
             # The ledger: finished groups nobody took end as cancelled at shutdown.
-            pipeline.cancelled += stream._discard_untaken()
+            discarded = stream._discard_untaken()
+            pipeline.untaken -= discarded
+            pipeline.cancelled += discarded

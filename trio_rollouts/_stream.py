@@ -170,9 +170,9 @@ class RolloutStream:
             return self._pull_nowait()
         except trio.WouldBlock:
             pass
-        group = await self._channel.receive()
-        self._pipeline.channel_received()
-        return group
+        # Waiting means the buffer was empty: the group comes straight from a sender that
+        # never blocked, so no blocked sender is woken (no channel_received()).
+        return await self._channel.receive()
 
     def _discard_untaken(self) -> int:
         """At shutdown, after the workers are gone: drop the finished groups nobody took,
@@ -277,8 +277,7 @@ class RolloutStream:
             timeouts=p.timeouts,
             skipped=p.skipped,
             cancelled=p.cancelled,
-            # A worker woken from send has already put its group in the buffer.
-            pending=buffered + reordering + p.blocked_senders - p.woken_senders,
+            pending=p.untaken,
             last_errors=tuple(p.last_errors),
             per_env={
                 env_id: EnvironmentStatistics(
