@@ -255,3 +255,18 @@ def test_retry_on_must_hold_exception_types() -> None:
 def test_an_agent_needs_a_failure_policy_object() -> None:
     with pytest.raises(TypeError, match="failure_policy must be a FailurePolicy"):
         agent(failing_calls(set()), failure_policy={"max_attempts": 3})
+
+
+async def test_a_call_cancelled_inside_its_own_nursery_counts_as_cancelled() -> None:
+    async def with_nursery(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(trio.sleep_forever)
+        return rollouts([0.0, 1.0])  # pragma: no cover
+
+    a = agent(with_nursery, parallel_generation_tasks=3)
+    async with a.get_grouped_rollouts(request(streaming=True)) as stream:
+        await trio.testing.wait_all_tasks_blocked()
+    stats = stream.statistics()
+    assert (stats.cancelled, stats.failed, stats.last_errors) == (3, 0, ())
+    assert stats.unaccounted == 0

@@ -137,7 +137,7 @@ class GroupedRolloutGenerator(Agent):
     buffer_size: int = attrs.field(default=10, validator=_int_at_least(0))
     #: With filtering, more filtered groups in a row than this is an error.
     max_consecutive_filtered: int = attrs.field(default=10_000, validator=_int_at_least(1))
-    #: Deadlines, retries and skip-or-raise for failing groups (default: raise at once).
+    #: Deadlines, retries and skip-or-raise for failing groups (by default, raise at once).
     failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy)
 
     @failure_policy.validator
@@ -181,8 +181,8 @@ class GroupedRolloutGenerator(Agent):
         Checked at once, before any work: ``num_groups >= 1``, ``rollouts_per_group >= 1``,
         ``parallel_generation_tasks >= num_groups``, ``buffer_size >= 0``, filtering needs
         ``rollouts_per_group >= 2`` (``ValueError``); the interface must be ``ReturnsRaw``
-        (``TypeError``). A ``parallel_generation_tasks`` that is not a multiple of
-        ``num_groups`` warns (``RuntimeWarning``) that capacity is unused.
+        (``TypeError``). When streaming, a ``parallel_generation_tasks`` that is not a
+        multiple of ``num_groups`` warns (``RuntimeWarning``) that capacity is unused.
 
         Groups come in batches of ``num_groups`` that share a ``batch_id`` (0, 1, ...).
         Non-streaming: exactly one batch, then the stream ends. Streaming: batches until

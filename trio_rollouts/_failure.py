@@ -125,5 +125,6 @@ class FailurePolicy:
 
     @property
     def is_trivial(self) -> bool:
-        """No deadline, no retry, failures raise: the pipeline's fast path."""
+        """Whether the policy changes nothing (no deadline, no retry, failures raise), which
+        lets the pipeline take its fast path."""
         return self.group_timeout is None and self.max_attempts == 1 and self.on_failure == "raise"

@@ -421,7 +421,7 @@ class TokenRollout(_Record):
 
     @property
     def scalar_reward(self) -> float:
-        """The reward as one number: a list reward is summed (the trajectory's return)."""
+        """The reward as one number (a list reward is summed into the trajectory's return)."""
         if isinstance(self.reward, list):
             return float(sum(self.reward))
         return float(self.reward)

@@ -125,7 +125,7 @@ class WeightedTask:
 
     @property
     def gets_rollout_work(self) -> bool:
-        """Whether the task serves rollout groups: positive weight, not evaluation-only."""
+        """Whether the task serves rollout groups (a positive weight, not evaluation-only)."""
         return self.weight > 0 and not self.evaluation_only
 
 

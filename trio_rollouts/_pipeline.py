@@ -103,7 +103,15 @@ def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRollou
             f"parallel_generation_tasks ({tasks}) is not a multiple of num_groups "
             f"({groups}); {tasks % groups} generation task(s) will be unused"
         )
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """``Cancelled``, or a group of nothing but (a nursery inside group_rollout)."""
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(trio.Cancelled)
+        return rest is None
+    return isinstance(exc, trio.Cancelled)
 
 
 class EnvironmentCounters:
@@ -289,7 +297,7 @@ class _Pipeline:
                     f"{self.consecutive_filtered} groups in a row had identical rewards and "
                     f"were filtered (max_consecutive_filtered={self.max_consecutive_filtered}); "
                     f"last group: env_id={group[0].env_id!r}, problem_id="
-                    f"{group[0].problem_id!r}, reward={group.rewards()[0]!r}. Every group "
+                    f"{group[0].problem_id!r}, reward={float(group.rewards()[0])!r}. Every group "
                     "looks the same: check the reward function, or turn filtering off"
                 )
                 raise RuntimeError(msg)
@@ -314,10 +322,10 @@ class _Pipeline:
                         f"{self.group_timeout} s and was cancelled"
                     )
                     raise GroupTimeoutError(msg)
-        except trio.Cancelled:
-            self.cancelled += 1
-            raise
         except BaseException as exc:
+            if _is_cancellation(exc):
+                self.cancelled += 1
+                raise
             self.count_failure(exc, env)
             if isinstance(exc, GroupTimeoutError):
                 self.timeouts += 1

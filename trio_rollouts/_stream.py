@@ -81,7 +81,8 @@ class RolloutStreamStatistics:
 
     @property
     def attempts(self) -> int:
-        """``group_rollout`` calls started: first attempts, retries and regenerations."""
+        """How many ``group_rollout`` calls started (first attempts, retries and
+        regenerations), the same count as ``started``."""
         return self.started
 
     @property
@@ -91,8 +92,8 @@ class RolloutStreamStatistics:
 
     @property
     def unaccounted(self) -> int:
-        """The ledger's remainder, always 0: every started call is delivered, filtered,
-        retried, skipped, raised, cancelled, still in flight, or pending."""
+        """The ledger's remainder, which is always 0 (every started call is delivered,
+        filtered, retried, skipped, raised, cancelled, still in flight, or pending)."""
         return self.started - (
             self.delivered
             + self.filtered
@@ -215,8 +216,10 @@ class RolloutStream:
     def try_next(self) -> RolloutGroup | None:
         """Take a group that is ready now, or return ``None`` at once.
 
-        Never blocks, never cancels or loses work: when nothing is ready (or the stream has
-        ended) it returns ``None`` and the pipeline runs on. Not a checkpoint.
+        Never blocks, never cancels or loses work: when nothing is ready (or a
+        non-streaming batch has been fully taken) it returns ``None`` and the pipeline
+        runs on. Raises ``trio.ClosedResourceError`` after the ``async with`` has exited.
+        Not a checkpoint.
         """
         try:
             if not self._enforce_order:

@@ -339,8 +339,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
 
     @property
     def limits(self) -> httpx2.Limits:
-        """The ``httpx2.Limits`` the client uses: ``max_connections`` in total, as many
-        kept alive, idle ones closed after 5 s."""
+        """The ``httpx2.Limits`` the client uses (``max_connections`` in total, as many
+        kept alive, idle ones closed after 5 s)."""
         return httpx2.Limits(
             max_connections=self.max_connections,
             max_keepalive_connections=self.max_connections,
