@@ -60,6 +60,7 @@ __all__ = ["FILTER_STD_THRESHOLD", "check_grouped_request", "open_grouped_rollou
 
 #: A group whose rewards have a population std at or below this is "all the same".
 FILTER_STD_THRESHOLD = 1e-6
+_ROLLOUT_TYPES = frozenset({Rollout, TokenRollout})
 #: How many of the most recent errors statistics() reports.
 LAST_ERRORS_KEPT = 5
 
@@ -156,6 +157,7 @@ class _Pipeline:
         self.consecutive_filtered = 0
         self.policy = agent.failure_policy
         self.policy_is_trivial = self.policy.is_trivial
+        self.plain = self.policy_is_trivial and not self.filtering and self.env_of_slot is None
         self.group_timeout = self.policy.group_timeout
         # Wake-up accounting (see wake_workers): workers that are runnable and will look
         # for a free slot before they next block.
@@ -233,7 +235,23 @@ class _Pipeline:
                 continue
             batch_id, index = self.free_slots.popleft()
             self.wake_workers()
-            group = await self.accepted_group(batch_id, index)
+            if self.plain:
+                # The common case (no filtering, the default failure policy, one
+                # environment): one call, inlined, since every coroutine layer between
+                # the worker and group_rollout costs on each resume.
+                self.started += 1
+                self.in_flight += 1
+                try:
+                    result = await self.generate(batch_id, index)
+                except BaseException as exc:
+                    self.in_flight -= 1
+                    self.call_raised(exc, None)
+                    raise
+                self.in_flight -= 1
+                self.completed += 1
+                group = self.checked_group(result, batch_id, index, None)
+            else:
+                group = await self.accepted_group(batch_id, index)
             self.untaken += 1
             if self.blocked_senders > self.woken_senders:
                 full = True  # senders already wait: the buffer has no room
@@ -280,11 +298,7 @@ class _Pipeline:
                     # A loop of instantly failing calls must stay cancellable.
                     await trio.lowlevel.checkpoint()
                     continue
-            try:
-                group = self.make_group(result, batch_id, index)
-            except Exception as exc:
-                self.count_failure(exc, env)
-                raise
+            group = self.checked_group(result, batch_id, index, env)
             if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
                 self.consecutive_filtered = 0
                 return group
@@ -323,12 +337,7 @@ class _Pipeline:
                     )
                     raise GroupTimeoutError(msg)
         except BaseException as exc:
-            if _is_cancellation(exc):
-                self.cancelled += 1
-                raise
-            self.count_failure(exc, env)
-            if isinstance(exc, GroupTimeoutError):
-                self.timeouts += 1
+            self.call_raised(exc, env)
             raise
         finally:
             self.in_flight -= 1
@@ -358,6 +367,25 @@ class _Pipeline:
                     raise
         msg = "stamina ended the attempts without a result or an error"  # pragma: no cover
         raise RuntimeError(msg)  # pragma: no cover
+
+    def call_raised(self, exc: BaseException, env: EnvironmentCounters | None) -> None:
+        """Book a call that raised: cancelled at shutdown, or failed."""
+        if _is_cancellation(exc):
+            self.cancelled += 1
+            return
+        self.count_failure(exc, env)
+        if isinstance(exc, GroupTimeoutError):
+            self.timeouts += 1
+
+    def checked_group(
+        self, result: object, batch_id: int, index: int, env: EnvironmentCounters | None
+    ) -> RolloutGroup:
+        """make_group, booking a broken group contract as a failed call."""
+        try:
+            return self.make_group(result, batch_id, index)
+        except Exception as exc:
+            self.count_failure(exc, env)
+            raise
 
     def count_failure(self, exc: BaseException, env: EnvironmentCounters | None) -> None:
         self.failed += 1
@@ -389,6 +417,8 @@ class _Pipeline:
             where = self.where(batch_id, index)
             msg = f"{where} returned an empty group; a group needs at least one rollout"
             raise ValueError(msg)
+        if not self.filtering and set(map(type, rollouts)) <= _ROLLOUT_TYPES:
+            return RolloutGroup._checked_by_caller(rollouts, batch_id, index)
         for i, rollout in enumerate(rollouts):
             if not isinstance(rollout, (Rollout, TokenRollout)):
                 msg = (
