@@ -37,3 +37,11 @@ def docs(session: nox.Session) -> None:
     """Build the docs offline, warnings as errors."""
     session.install("-e", ".[docs]")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks beside the asyncio origin: models, then the pipeline (s1-s3, stall, shutdown)."""
+    session.install("-e", ".[bench]")
+    session.run("python", "benchmarks/models.py")
+    session.run("python", "benchmarks/pipeline.py", *session.posargs)
