@@ -617,3 +617,21 @@ async def test_get_reward_rollouts_needs_raw_text() -> None:
     req = tr.RolloutRequest(num_rollouts=1, inference_interface=PlainInterface())
     with pytest.raises(TypeError, match="ReturnsRaw"):
         await Counting().get_reward_rollouts(req)
+
+
+async def test_the_consumers_own_exception_group_is_not_flattened() -> None:
+    own = ExceptionGroup("consumer's own", [ValueError("inside")])
+    with pytest.raises(ExceptionGroup) as info:
+        async with agent(forever).get_grouped_rollouts(request(streaming=True)):
+            await trio.testing.wait_all_tasks_blocked()
+            raise own
+    assert info.value is own
+
+
+async def test_no_call_starts_once_shutdown_has_begun() -> None:
+    a = agent(parallel_generation_tasks=8, buffer_size=0)
+    async with a.get_grouped_rollouts(request(streaming=True)) as stream:
+        await stream.receive()
+        await trio.testing.wait_all_tasks_blocked()
+        calls_at_exit = a.calls
+    assert a.calls == calls_at_exit

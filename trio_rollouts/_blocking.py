@@ -40,6 +40,17 @@ def _check_timeout(timeout: float | None) -> None:
         raise ValueError(msg)
 
 
+@contextlib.contextmanager
+def _deadline_for_waiting(timeout: float | None) -> Iterator[trio.CancelScope]:
+    """A cancel scope whose deadline is set once entered: it only fires at a point where
+    the task has to wait, so a ready group, or the end of the stream, is always seen,
+    even with ``timeout=0``."""
+    with trio.CancelScope() as scope:
+        if timeout is not None:
+            scope.deadline = trio.current_time() + timeout
+        yield scope
+
+
 class BlockingRolloutStream:
     """The groups of a pipeline running in a background Trio thread.
 
@@ -84,7 +95,10 @@ class BlockingRolloutStream:
     def _start(self) -> None:
         self._thread.start()
         self._started.wait()
-        self._raise_failure()
+        if self._failure is not None:
+            # The pipeline failed before the block began: nothing to stop, only to join.
+            self._thread.join()
+            self._raise_failure()
 
     def _stop(self) -> None:
         scope, token = self._stop_scope, self._token
@@ -92,6 +106,7 @@ class BlockingRolloutStream:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(scope.cancel, trio_token=token)
         self._thread.join()
+        self._stream = None  # later calls get a clear error, not RunFinishedError
 
     def _raise_failure(self) -> None:
         if self._failure is not None and not self._failure_raised:
@@ -127,10 +142,7 @@ class BlockingRolloutStream:
         stream = self._require_stream()
 
         async def get_one() -> RolloutGroup | None:
-            # A ready group is returned even with timeout=0.
-            if (ready := stream.try_next()) is not None:
-                return ready
-            with trio.move_on_after(math.inf if timeout is None else timeout):
+            with _deadline_for_waiting(timeout):
                 return await stream.receive()
             return None
 
@@ -161,8 +173,7 @@ class BlockingRolloutStream:
 
         async def take_rest() -> None:
             nonlocal timed_out
-            groups.extend(stream.drain(n - len(groups)))  # ready ones, even with timeout=0
-            with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            with _deadline_for_waiting(timeout) as scope:
                 try:
                     while len(groups) < n:
                         groups.append(await stream.receive())

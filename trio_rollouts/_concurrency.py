@@ -19,18 +19,43 @@ __all__ = ["flatten_exception_groups", "gather"]
 T = TypeVar("T")
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+def _leaves(
+    group: BaseExceptionGroup[BaseException], keep: Sequence[BaseException]
+) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            out.extend(_leaves(exc))
-        else:
+        if not isinstance(exc, BaseExceptionGroup):
             out.append(exc)
+        elif (kept := _kept_original(exc, keep)) is not None:
+            out.append(kept)
+        else:
+            out.extend(_leaves(exc, keep))
     return out
 
 
-def _collapse(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    leaves = _leaves(group)
+def _kept_original(
+    group: BaseExceptionGroup[BaseException], keep: Sequence[BaseException]
+) -> BaseException | None:
+    """The kept group that ``group`` is, or is a copy of (cancel scopes re-derive the
+    groups they pass on, but keep the leaves)."""
+    if not keep:
+        return None
+    leaves = {id(leaf) for leaf in _leaves(group, ())}
+    for k in keep:
+        if k is group or (
+            isinstance(k, BaseExceptionGroup)
+            and type(k) is type(group)
+            and k.message == group.message
+            and {id(leaf) for leaf in _leaves(k, ())} == leaves
+        ):
+            return k
+    return None
+
+
+def _collapse(
+    group: BaseExceptionGroup[BaseException], keep: Sequence[BaseException]
+) -> BaseException:
+    leaves = _leaves(group, keep)
     if len(leaves) == 1:
         return leaves[0]
     # Cancelled leaves next to a real error are its consequence (the nursery cancelled
@@ -44,12 +69,16 @@ def _collapse(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 @contextlib.contextmanager
-def flatten_exception_groups() -> Iterator[None]:
-    """Re-raise an exception group that holds one real failure as that failure."""
+def flatten_exception_groups(keep: Sequence[BaseException] = ()) -> Iterator[None]:
+    """Re-raise an exception group that holds one real failure as that failure.
+
+    Groups in ``keep`` (compared by identity, read when the group arrives) are the
+    caller's own exceptions and stay whole.
+    """
     try:
         yield
     except BaseExceptionGroup as group:
-        collapsed = _collapse(group)
+        collapsed = _collapse(group, keep)
         context = collapsed.__context__
         try:
             raise collapsed

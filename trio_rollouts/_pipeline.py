@@ -227,6 +227,9 @@ class _Pipeline:
 
     async def worker(self) -> None:
         while True:
+            # A worker released from send during shutdown must not start a new call
+            # (this does not yield unless cancelled).
+            await trio.lowlevel.checkpoint_if_cancelled()
             if not self.free_slots:
                 if not self.streaming:
                     return
@@ -458,7 +461,8 @@ async def open_grouped_rollouts(
     """Run the pipeline for the duration of an ``async with``; see the module docstring."""
     pipeline = _Pipeline(agent, request)
     stream = RolloutStream._from_pipeline(pipeline)
-    with flatten_exception_groups(), pipeline.send_channel, pipeline.receive_channel:
+    consumer_errors: list[BaseException] = []  # the body's own exception is not flattened
+    with flatten_exception_groups(consumer_errors), pipeline.send_channel, pipeline.receive_channel:
         try:
             async with trio.open_nursery() as nursery:
                 for _ in range(pipeline.max_outstanding if request.streaming else 1):
@@ -467,6 +471,9 @@ async def open_grouped_rollouts(
                     nursery.start_soon(pipeline.worker)
                 try:
                     yield stream
+                except BaseException as exc:
+                    consumer_errors.append(exc)
+                    raise
                 finally:
                     # Invariant 6: cancel the producers before the channels close.
                     nursery.cancel_scope.cancel()
