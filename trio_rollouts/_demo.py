@@ -1,0 +1,372 @@
+"""The demo's model and trainer: asynchronous GRPO on arithmetic, on the embedded backend.
+
+:func:`run_demo` is an end-to-end reinforcement-learning loop with nothing to install and
+no GPU. The *model* is :class:`AnswerTablePolicy`, a numpy table of logits served through
+:class:`~trio_rollouts.inference.EmbeddedInference`; the *environment* is
+:class:`~trio_rollouts.envs.ArithmeticEnvironment`; rollouts stream from the grouped
+pipeline with bounded lag (``lag`` batches outstanding); the *trainer* takes one
+batch per step, computes GRPO advantages with :meth:`RolloutGroup.advantages`, takes one
+clipped policy-gradient step on the logits using the rollouts' log-probabilities, and
+publishes the new weights with :meth:`EmbeddedInference.set_generation_epoch`, so
+rollouts carry real ``policy_epoch`` boundaries and the trainer can measure how stale
+they are. On a virtual clock (trio's ``MockClock``) the simulated latency costs no real
+time and a seed fixes every number; on the real clock the loop is the same, but which
+weights a group is sampled with depends on timing.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from ._evaluation import Problem
+from ._models import ChatMessage, GroupedRolloutRequest, RolloutGroup, TokenRollout
+from ._prompt_file import write_groups
+from .envs.arithmetic import ArithmeticEnvironment
+from .inference import EmbeddedInference, LatencyModel
+
+__all__ = ["AnswerTablePolicy", "DemoConfig", "DemoResult", "StepMetrics", "run_demo"]
+
+_CANDIDATE_STREAM = 0x43414E44
+#: Steps over which StepMetrics.groups_per_second is measured.
+_RATE_WINDOW = 5
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def _softmax(logits: FloatArray) -> FloatArray:
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs: FloatArray = shifted / shifted.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def _completion(answer: int) -> str:
+    # Terse, as a model trained to answer with the number: the embedded engine spends a
+    # token step (a scheduler round) per character.
+    return str(answer)
+
+
+def _distractors(problem: Problem, rng: np.random.Generator, count: int) -> list[int]:
+    """``count`` plausible wrong answers: off by one, two or ten, the wrong operation,
+    then random numbers near the answer."""
+    answer = int(problem.answer)
+    a, _, b = str(problem.prompt).removeprefix("What is ").removesuffix("?").split()
+    x, y = int(a), int(b)
+    plausible = [answer + d for d in (1, -1, 2, -2, 10, -10)] + [x + y, x - y, y - x, x * y]
+    pool = list(dict.fromkeys(v for v in plausible if v != answer))
+    rng.shuffle(pool)
+    chosen = pool[:count]
+    spread = max(10, abs(answer))
+    while len(chosen) < count:
+        value = answer + int(rng.integers(-spread, spread + 1))
+        if value != answer and value not in chosen:
+            chosen.append(value)
+    return chosen
+
+
+def _check_positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        msg = f"{attribute.name} must be > 0, got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True, eq=False)
+class AnswerTablePolicy:
+    """The demo's model: a lookup table, not a language model.
+
+    For each problem it holds ``K`` candidate completions, the number ``N`` written out,
+    for the right ``N`` and for ``K - 1`` plausible mistakes (off by one, two or ten, the
+    wrong operation), and one logit per candidate; a candidate's probability is the softmax of
+    its problem's logits. Called with a prompt, it returns the candidates and their
+    probabilities, as :data:`~trio_rollouts.inference.Policy` says. Training moves the
+    logits, so it learns which candidate is right *for each problem in its table*; it
+    does not learn arithmetic and has nothing to say about any other prompt.
+    """
+
+    problems: list[Problem]
+    candidates: list[list[str]]
+    #: Index of the right candidate of each problem.
+    correct: npt.NDArray[np.int64]
+    #: ``(num_problems, K)`` logits.
+    logits: FloatArray
+    _row_of_prompt: dict[str, int] = attrs.field(init=False, repr=False)
+    _row_of_problem_id: dict[str, int] = attrs.field(init=False, repr=False)
+    _column_of: list[dict[str, int]] = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._row_of_prompt = {str(p.prompt): row for row, p in enumerate(self.problems)}
+        self._row_of_problem_id = {p.problem_id: row for row, p in enumerate(self.problems)}
+        self._column_of = [{text: col for col, text in enumerate(c)} for c in self.candidates]
+
+    @classmethod
+    def initial(
+        cls, problems: Sequence[Problem], num_candidates: int, seed: int, init_scale: float = 0.5
+    ) -> AnswerTablePolicy:
+        """A fresh table: seeded candidates in a seeded order, logits drawn from
+        ``Normal(0, init_scale)``, so the policy starts near chance, ``1 / K``."""
+        if num_candidates < 2:
+            msg = f"num_candidates must be >= 2, got {num_candidates}"
+            raise ValueError(msg)
+        rng = np.random.default_rng([seed, _CANDIDATE_STREAM])
+        candidates = []
+        correct = []
+        for problem in problems:
+            answers = [int(problem.answer), *_distractors(problem, rng, num_candidates - 1)]
+            order = rng.permutation(num_candidates)
+            candidates.append([_completion(answers[i]) for i in order])
+            correct.append(int(np.flatnonzero(order == 0)[0]))
+        logits = rng.normal(0.0, init_scale, size=(len(problems), num_candidates))
+        return cls(
+            problems=list(problems),
+            candidates=candidates,
+            correct=np.asarray(correct, dtype=np.int64),
+            logits=logits,
+        )
+
+    def __call__(self, prompt: list[ChatMessage]) -> tuple[Sequence[str], npt.ArrayLike]:
+        row = self._row_of_prompt.get(prompt[-1].content)
+        if row is None:
+            msg = f"the demo policy knows only its own problems, not {prompt[-1].content!r:.80}"
+            raise ValueError(msg)
+        return self.candidates[row], _softmax(self.logits[row])
+
+    def probabilities(self) -> FloatArray:
+        """``(num_problems, K)``: every candidate's probability."""
+        return _softmax(self.logits)
+
+    def accuracy(self) -> float:
+        """The probability that a sampled answer is right, averaged over the problems:
+        the expected accuracy at temperature 1, computed exactly (no sampling noise)."""
+        probs = self.probabilities()
+        return float(probs[np.arange(len(self.problems)), self.correct].mean())
+
+    def grpo_step(self, groups: Sequence[RolloutGroup], learning_rate: float, clip: float) -> None:
+        """One policy-gradient step on the logits from a batch of groups.
+
+        Per rollout: the GRPO advantage ``A`` (:meth:`RolloutGroup.advantages`), the
+        candidate it chose, and the importance ratio ``rho = p_now / p_then`` of that
+        candidate, ``p_then`` being the probability the rollout's log-probabilities
+        record (the weights it was sampled with, possibly some updates ago). The
+        gradient of the clipped surrogate ``min(rho * A, clip(rho, 1 +- clip) * A)`` is
+        ``rho * A * (onehot - p_now)`` on the problem's logits, or nothing once the
+        ratio is clipped; it is averaged over the group and added (ascent).
+        """
+        probs = self.probabilities()
+        gradient = np.zeros_like(self.logits)
+        for group in groups:
+            advantages = group.advantages()
+            for rollout, advantage in zip(group, advantages, strict=True):
+                if advantage == 0.0:
+                    continue
+                if not isinstance(rollout, TokenRollout):
+                    msg = f"the demo trainer needs token rollouts, got {type(rollout).__name__}"
+                    raise TypeError(msg)
+                row = self._row_of_problem_id[str(rollout.problem_id)]
+                column = self._column_of[row][_generated_text(rollout)]
+                ratio = probs[row, column] / math.exp(_logprob(rollout))
+                if (advantage > 0 and ratio > 1 + clip) or (advantage < 0 and ratio < 1 - clip):
+                    continue
+                step = ratio * advantage / len(group)
+                gradient[row] -= step * probs[row]
+                gradient[row, column] += step
+        self.logits += learning_rate * gradient
+
+
+def _generated_text(rollout: TokenRollout) -> str:
+    tokens = rollout.trajectory[0]
+    mask = rollout.generation_mask[0] if rollout.generation_mask else [True] * len(tokens)
+    # The embedded backend's tokens are characters: token id = code point.
+    return "".join(chr(t) for t, generated in zip(tokens, mask, strict=True) if generated)
+
+
+def _logprob(rollout: TokenRollout) -> float:
+    return float(sum(rollout.logprobs[0])) if rollout.logprobs else 0.0
+
+
+def _generation_epoch(rollout: Any) -> int:
+    """The policy epoch a rollout started (and, in the embedded engine, was sampled) under."""
+    return int(rollout.policy_epoch[0][0][1]) if rollout.policy_epoch else 0
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _check_count(minimum: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
+            raise ValueError(msg)
+
+    return check
+
+
+def _check_non_negative(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        msg = f"{attribute.name} must be >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class DemoConfig:
+    """The demo's settings; the defaults learn from chance to above 0.9 accuracy.
+
+    ``lag`` is how many batches are outstanding at once
+    (``parallel_generation_tasks = lag * groups_per_step``): while the trainer works on
+    one batch, the next ``lag`` are being generated, so a rollout is at most ``lag``
+    updates old. ``train_seconds`` is how long one update "takes" on the run's clock:
+    generation goes on meanwhile, with the old weights.
+    """
+
+    seed: int = attrs.field(default=0, validator=_check_count(0))
+    steps: int = attrs.field(default=36, validator=_check_count(1))
+    groups_per_step: int = attrs.field(default=8, validator=_check_count(1))
+    group_size: int = attrs.field(default=8, validator=_check_count(2))
+    lag: int = attrs.field(default=2, validator=_check_count(1))
+    num_problems: int = attrs.field(default=32, validator=_check_count(1))
+    num_candidates: int = attrs.field(default=8, validator=_check_count(2))
+    learning_rate: float = attrs.field(default=2.0, validator=_check_positive)
+    clip: float = attrs.field(default=0.2, validator=_check_positive)
+    filter_groups: bool = True
+    train_seconds: float = attrs.field(default=0.05, validator=_check_non_negative)
+    latency: LatencyModel = attrs.field(
+        factory=lambda: LatencyModel(first_token=0.03, per_token=0.01)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class StepMetrics:
+    """What one training step saw and did.
+
+    - ``mean_reward``: mean reward of the step's rollouts.
+    - ``accuracy``: :meth:`AnswerTablePolicy.accuracy` after the step's update.
+    - ``groups_per_second``: groups taken per second of the run's clock, over the last
+      five steps.
+    - ``filtered``: groups dropped (all rewards equal) and regenerated during the step.
+    - ``staleness_mean`` / ``staleness_max``: over the step's rollouts, the trainer's
+      policy epoch minus the epoch the rollout was generated under.
+    - ``mixed_epoch``: rollouts whose generation spanned a weight update (more than one
+      ``policy_epoch`` boundary).
+    """
+
+    step: int
+    epoch: int
+    mean_reward: float
+    accuracy: float
+    groups_per_second: float
+    filtered: int
+    staleness_mean: float
+    staleness_max: int
+    mixed_epoch: int
+    elapsed: float
+
+
+@attrs.frozen(kw_only=True)
+class DemoResult:
+    """A finished demo: the accuracy before training and every step's metrics."""
+
+    config: DemoConfig
+    initial_accuracy: float
+    steps: tuple[StepMetrics, ...]
+    groups: int
+    rollouts: int
+    filtered: int
+    elapsed: float
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.steps[-1].accuracy if self.steps else self.initial_accuracy
+
+
+async def run_demo(
+    config: DemoConfig,
+    *,
+    on_start: Callable[[float], None] | None = None,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    out: IO[str] | None = None,
+) -> DemoResult:
+    """Train the demo policy for ``config.steps`` steps; return the metrics.
+
+    ``on_start`` is called with the accuracy before training, ``on_step`` after every
+    step; ``out``, when given, receives every group
+    the trainer took, one whole JSON line each (:func:`~trio_rollouts.dump_jsonl`, with
+    Ctrl-C held off mid-line).
+
+    Cancellation: cancelling it stops the pipeline (every generation in flight is
+    cancelled) and raises ``trio.Cancelled``; groups already written stay written.
+    """
+    env = ArithmeticEnvironment(
+        num_problems=config.num_problems,
+        seed=config.seed,
+        parallel_generation_tasks=config.lag * config.groups_per_step,
+        buffer_size=config.lag * config.groups_per_step,
+    )
+    policy = AnswerTablePolicy.initial(env.problems, config.num_candidates, config.seed)
+    interface = EmbeddedInference(seed=config.seed, policy=policy, latency=config.latency)
+    request = GroupedRolloutRequest(
+        num_groups=config.groups_per_step,
+        rollouts_per_group=config.group_size,
+        inference_interface=interface,
+        streaming=True,
+        enforce_order=True,
+        filter_groups_with_same_reward=config.filter_groups,
+    )
+    initial_accuracy = policy.accuracy()
+    if on_start is not None:
+        on_start(initial_accuracy)
+    metrics: list[StepMetrics] = []
+    start = trio.current_time()
+    # When the last few steps' groups arrived, for a throughput that does not jump
+    # between a step that waited and one whose batch was already buffered.
+    arrivals = collections.deque([start], maxlen=_RATE_WINDOW + 1)
+    filtered_before = 0
+    async with env.get_grouped_rollouts(request) as stream:
+        for step in range(1, config.steps + 1):
+            groups = [await stream.receive() for _ in range(config.groups_per_step)]
+            now = trio.current_time()
+            arrivals.append(now)
+            window = now - arrivals[0]
+            epoch = interface.generation_epoch
+            rollouts = [rollout for group in groups for rollout in group]
+            staleness = [epoch - _generation_epoch(rollout) for rollout in rollouts]
+            if out is not None:
+                write_groups(out, groups)
+            # The update "takes" train_seconds; generation goes on with the old weights.
+            await trio.sleep(config.train_seconds)
+            policy.grpo_step(groups, config.learning_rate, config.clip)
+            interface.set_generation_epoch(epoch + 1)
+            filtered = stream.statistics().filtered
+            step_metrics = StepMetrics(
+                step=step,
+                epoch=epoch + 1,
+                mean_reward=float(np.mean([group.rewards().mean() for group in groups])),
+                accuracy=policy.accuracy(),
+                groups_per_second=(len(arrivals) - 1) * len(groups) / window
+                if window > 0
+                else math.inf,
+                filtered=filtered - filtered_before,
+                staleness_mean=float(np.mean(staleness)),
+                staleness_max=max(staleness),
+                mixed_epoch=sum(len(r.policy_epoch[0]) > 1 for r in rollouts if r.policy_epoch),
+                elapsed=now - start,
+            )
+            filtered_before = filtered
+            metrics.append(step_metrics)
+            if on_step is not None:
+                on_step(step_metrics)
+    steps = tuple(metrics)
+    return DemoResult(
+        config=config,
+        initial_accuracy=initial_accuracy,
+        steps=steps,
+        groups=len(steps) * config.groups_per_step,
+        rollouts=len(steps) * config.groups_per_step * config.group_size,
+        filtered=filtered_before,
+        elapsed=trio.current_time() - start,
+    )

@@ -1,0 +1,270 @@
+"""Reward-only agents: one prompt per group, sampled completions, a verifiable reward.
+
+:class:`RewardOnlyAgent` is the Trio form of Megatron's ``reward_only_agent``: a subclass
+says which problem comes next (:meth:`~RewardOnlyAgent.get_prompt`) and how a completion
+scores (:meth:`~RewardOnlyAgent.get_reward`); the base samples ``rollouts_per_group``
+completions concurrently through the request's inference interface, scores each, and
+builds :class:`~trio_rollouts.TokenRollout` objects when the interface returns tokens
+(``ReturnsTokens``) and :class:`~trio_rollouts.Rollout` objects otherwise, carrying the
+engine's ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions``. The module also holds
+the reward functions for answers that can be checked by rule (:data:`REWARD_FUNCTIONS`),
+which the arithmetic environment and the command line use.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import re
+from collections.abc import Awaitable, Callable
+
+import attrs
+import numpy as np
+
+from ._agents import GroupedRolloutGenerator
+from ._evaluation import Problem, gather_bounded
+from ._models import GroupedRolloutRequest, Rollout, TokenRollout
+from .inference import InferenceInterface, InferenceResponse, ReturnsRaw, ReturnsTokens
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "RewardOnlyAgent",
+    "build_rollouts",
+    "contains_reward",
+    "exact_match_reward",
+    "last_number_reward",
+]
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def exact_match_reward(problem: Problem, completion: str) -> float:
+    """1.0 when the completion, stripped, equals ``str(problem.answer)`` stripped."""
+    return 1.0 if completion.strip() == str(problem.answer).strip() else 0.0
+
+
+def contains_reward(problem: Problem, completion: str) -> float:
+    """1.0 when ``str(problem.answer)`` occurs in the completion (case-sensitive)."""
+    return 1.0 if str(problem.answer) in completion else 0.0
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*)?\.?\d+(?:[eE][-+]?\d+)?")
+
+
+def _as_number(value: object) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip().replace(",", ""))
+        except ValueError:
+            return None
+    return None
+
+
+def last_number_reward(problem: Problem, completion: str) -> float:
+    """1.0 when the last number written in the completion equals the answer numerically.
+
+    Math-style grading: ``"so 17 + 25 = 42."`` scores 1.0 for the answer ``42`` (or
+    ``"42"``, ``42.0``); thousands separators are ignored. A completion without a number
+    scores 0.0. An answer that is not a number is a ``ValueError``.
+    """
+    expected = _as_number(problem.answer)
+    if expected is None:
+        msg = (
+            f"last-number reward needs a numeric answer, problem {problem.problem_id!r} "
+            f"has {problem.answer!r:.80}"
+        )
+        raise ValueError(msg)
+    found = _NUMBER.findall(completion)
+    if not found:
+        return 0.0
+    value = _as_number(found[-1])
+    return 1.0 if value is not None and math.isclose(value, expected, abs_tol=1e-9) else 0.0
+
+
+#: Reward functions by their command-line name; each takes ``(problem, completion)``.
+REWARD_FUNCTIONS: dict[str, Callable[[Problem, str], float]] = {
+    "exact-match": exact_match_reward,
+    "contains": contains_reward,
+    "last-number": last_number_reward,
+}
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+def _check_reward(value: object, problem: Problem, env_id: str) -> float:
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        reward = float(value)
+        if math.isfinite(reward):
+            return reward
+    msg = (
+        f"get_reward returned {value!r:.80} for problem_id={problem.problem_id!r} "
+        f"(env_id={env_id!r}); rewards must be finite numbers"
+    )
+    raise ValueError(msg)
+
+
+def _returns_tokens(interface: InferenceInterface, responses: list[InferenceResponse]) -> bool:
+    return isinstance(interface, ReturnsTokens) and all(
+        r.token_ids is not None and r.prompt_length is not None for r in responses
+    )
+
+
+def _token_rollout(
+    response: InferenceResponse, reward: float, env_id: str, problem_id: str
+) -> TokenRollout:
+    token_ids = list(response.token_ids or [])
+    prompt_length = response.prompt_length or 0
+    if not 0 <= prompt_length <= len(token_ids):
+        msg = (
+            f"the inference interface returned prompt_length={prompt_length} for "
+            f"{len(token_ids)} token ids (problem_id={problem_id!r})"
+        )
+        raise ValueError(msg)
+    generated = len(token_ids) - prompt_length
+    logprobs = None
+    if response.logprobs is not None:
+        if len(response.logprobs) != generated:
+            msg = (
+                f"the inference interface returned {len(response.logprobs)} logprobs for "
+                f"{generated} generated tokens (problem_id={problem_id!r}); it must return "
+                "one per generated token"
+            )
+            raise ValueError(msg)
+        logprobs = [list(response.logprobs)]
+    return TokenRollout(
+        trajectory=[token_ids],
+        reward=reward,
+        generation_mask=[[False] * prompt_length + [True] * generated],
+        logprobs=logprobs,
+        env_id=env_id,
+        problem_id=problem_id,
+        policy_epoch=[list(response.policy_epoch)] if response.policy_epoch else [],
+        kv_cache_epoch=[list(response.kv_cache_epoch)] if response.kv_cache_epoch else [],
+        num_evictions=[response.num_evictions],
+    )
+
+
+def _text_rollout(
+    response: InferenceResponse, reward: float, env_id: str, problem_id: str
+) -> Rollout:
+    if response.raw_text is None:
+        msg = (
+            f"the inference interface returned raw_text=None (problem_id={problem_id!r}); "
+            "text rollouts need an interface that returns raw text (ReturnsRaw)"
+        )
+        raise ValueError(msg)
+    return Rollout(
+        trajectory=[response.raw_text],
+        prompt_length=None if response.prompt_length is None else [response.prompt_length],
+        reward=reward,
+        env_id=env_id,
+        problem_id=problem_id,
+        policy_epoch=[list(response.policy_epoch)] if response.policy_epoch else [],
+        kv_cache_epoch=[list(response.kv_cache_epoch)] if response.kv_cache_epoch else [],
+        num_evictions=[response.num_evictions],
+    )
+
+
+def build_rollouts(
+    interface: InferenceInterface,
+    problem: Problem,
+    scored: list[tuple[InferenceResponse, float]],
+    env_id: str,
+) -> list[Rollout] | list[TokenRollout]:
+    """The rollouts of one group from its scored responses, in order.
+
+    :class:`TokenRollout` objects when ``interface`` is ``ReturnsTokens`` and every
+    response carries ``token_ids`` and ``prompt_length`` (the ``generation_mask`` marks
+    the tokens after the prompt, ``logprobs`` are the response's); otherwise
+    :class:`Rollout` objects whose trajectory is the response's ``raw_text``. A group is
+    never a mix of the two.
+    """
+    responses = [response for response, _ in scored]
+    if _returns_tokens(interface, responses):
+        return [_token_rollout(r, reward, env_id, problem.problem_id) for r, reward in scored]
+    return [_text_rollout(r, reward, env_id, problem.problem_id) for r, reward in scored]
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+@attrs.define(kw_only=True)
+class RewardOnlyAgent(GroupedRolloutGenerator):
+    """A grouped agent whose groups are sampled completions of one problem, each scored
+    by a reward function (Megatron's ``reward_only_agent``).
+
+    Subclasses implement :meth:`get_prompt` (which problem a group is about) and
+    :meth:`get_reward` (how one completion scores). :meth:`group_rollout` then asks the
+    request's inference interface for ``rollouts_per_group`` completions of the problem
+    with ``request.generation_args``, all at once, scores each as it arrives and returns
+    them in request order (see :func:`build_rollouts` for their type). The interface
+    must return raw text (``ReturnsRaw``); the pipeline checks that before any work.
+    """
+
+    #: The environment's name, stamped on every rollout.
+    env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+
+    @abc.abstractmethod
+    async def get_prompt(self, request: GroupedRolloutRequest) -> Problem:
+        """The problem the next group is about (``request.validation`` may select a
+        split).
+
+        Cancellation: implementations must let ``trio.Cancelled`` propagate.
+        """
+
+    @abc.abstractmethod
+    async def get_reward(self, problem: Problem, response: InferenceResponse) -> float:
+        """The reward of one completion (``response.response.content``) of ``problem``:
+        a finite number. The response's ``finish_reason`` says whether it was cut off.
+
+        Cancellation: implementations must let ``trio.Cancelled`` propagate.
+        """
+
+    async def group_rollout(
+        self, request: GroupedRolloutRequest
+    ) -> list[Rollout] | list[TokenRollout]:
+        """One group: :meth:`get_prompt`, then :meth:`rollouts_for` that problem.
+
+        Cancellation: as :meth:`rollouts_for`.
+        """
+        return await self.rollouts_for(await self.get_prompt(request), request)
+
+    async def rollouts_for(
+        self, problem: Problem, request: GroupedRolloutRequest
+    ) -> list[Rollout] | list[TokenRollout]:
+        """Sample ``request.rollouts_per_group`` completions of ``problem`` concurrently,
+        score each with :meth:`get_reward`, and build the group's rollouts.
+
+        Completion ``i`` is requested ``i``-th (a seeded backend gives it the ``i``-th
+        sample of the prompt). The first failure (inference or reward) cancels the other
+        calls and propagates as itself; a reward that is not a finite number is a
+        ``ValueError`` naming the problem and environment.
+
+        Cancellation: cancelling this cancels every inference call of the group; it
+        returns or raises only after all of them have exited.
+        """
+        interface = request.inference_interface
+        if not isinstance(interface, ReturnsRaw):
+            msg = (
+                f"{type(self).__name__} needs an inference interface that returns raw text "
+                f"(ReturnsRaw); {type(interface).__name__} does not"
+            )
+            raise TypeError(msg)
+        inference_request = interface.prepare_request(problem.prompt, request.generation_args)
+
+        async def one() -> tuple[InferenceResponse, float]:
+            response = await interface.agenerate(inference_request)
+            reward = _check_reward(await self.get_reward(problem, response), problem, self.env_id)
+            return response, reward
+
+        calls: list[Callable[[], Awaitable[tuple[InferenceResponse, float]]]] = [
+            one
+        ] * request.rollouts_per_group
+        scored = await gather_bounded(calls, request.rollouts_per_group)
+        return build_rollouts(interface, problem, scored, self.env_id)
