@@ -45,3 +45,10 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/models.py")
     session.run("python", "benchmarks/pipeline.py", *session.posargs)
+
+
+@nox.session
+def ray(session: nox.Session) -> None:
+    """The Ray scale-out tests (starts a local Ray cluster; not part of the default run)."""
+    session.install("-e", ".[test,ray]")
+    session.run("pytest", "tests/test_ray.py", *session.posargs)

@@ -1,0 +1,406 @@
+"""Scaling out on Ray (trio_rollouts.ray): rollout actors and one merged stream.
+
+One local Ray cluster (2 CPUs) serves the whole module; each test starts its own actors,
+one or two, each in its own process. The agents below live in this module, and the
+cluster's workers import it (the fixture puts ``tests/`` on their ``PYTHONPATH``), so they
+travel by reference like any user's agent in an installed package.
+
+Skipped when Ray is not installed (it is the optional ``ray`` extra). Across processes a
+test cannot wait for "all tasks blocked"; where a test must see that something does *not*
+happen (run-ahead), it waits for the expected state and then a short settling time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+from _fakes import RawInterface  # noqa: E402
+
+import trio_rollouts as tr  # noqa: E402
+from trio_rollouts.ray import (  # noqa: E402
+    RolloutActorDiedError,
+    blocking_ray_rollouts,
+    open_ray_rollouts,
+)
+
+#: Safety net for every wait; a passing test never comes near it.
+WAIT = 30.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    # The cluster's processes inherit the environment at ray.init(). (A runtime_env with
+    # the same variable works too, but its workers cannot come from Ray's prestarted pool:
+    # every actor would cost a process start, about a third of this module's runtime.)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parent), *([saved] if saved else [])]
+    )
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------ agents
+
+
+class Boom(Exception):
+    pass
+
+
+def group_of(tag: str, n: int) -> list[tr.Rollout | tr.TokenRollout]:
+    """A group that exercises the models: both rollout classes, epochs, extra keys."""
+    return [
+        tr.Rollout(
+            trajectory=["question", f"answer {n}"],
+            reward=float(n % 3),
+            env_id=tag,
+            problem_id=str(n),
+            policy_epoch=[[(0, 1)], [(0, 1), (5, 2)]],
+            kv_cache_epoch=[[], [(3, 1)]],
+            num_evictions=[0, 1],
+            extra={"judge": {"score": 0.5, "notes": ["ok"]}},
+        ),
+        tr.TokenRollout(
+            trajectory=[[1, 2, 3], [4, 5]],
+            reward=[0.25, 0.5],
+            generation_mask=[[False, True, True], [True, True]],
+            logprobs=[[-0.1, -0.2], [-0.3, -0.4]],
+            env_id=tag,
+            problem_id=str(n),
+            policy_epoch=[[(0, 3)], [(0, 3)]],
+            extra={"tokenizer": "bpe"},
+        ),
+    ]
+
+
+@attrs.define
+class Counting(tr.GroupedRolloutGenerator):
+    """Returns ``group_of(tag, n)`` for its n-th call; raises Boom on call ``fail_at``."""
+
+    tag: str = attrs.field(default="a", kw_only=True)
+    fail_at: int = attrs.field(default=0, kw_only=True)
+    calls: int = attrs.field(default=0, kw_only=True)
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list:  # type: ignore[type-arg]
+        self.calls += 1
+        n = self.calls
+        await trio.sleep(0.001)
+        if n == self.fail_at:
+            raise Boom(f"call {n} of {self.tag}")
+        return group_of(self.tag, n)
+
+
+@attrs.define
+class Hanging(tr.GroupedRolloutGenerator):
+    """Every call waits forever (until cancelled)."""
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list:  # type: ignore[type-arg]
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@attrs.define
+class Stubborn(tr.GroupedRolloutGenerator):
+    """Every call blocks the actor's Trio loop and never sees a cancellation."""
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list:  # type: ignore[type-arg]
+        while True:
+            time.sleep(1)  # noqa: ASYNC251 - the point: a call that ignores cancellation
+
+
+def hanging() -> Hanging:
+    return Hanging(parallel_generation_tasks=4)
+
+
+def tagged(i: int) -> Counting:
+    return Counting(tag=f"actor{i}", parallel_generation_tasks=4, buffer_size=2)
+
+
+def request(
+    *, num_groups: int = 2, streaming: bool = True, enforce_order: bool = False
+) -> tr.GroupedRolloutRequest:
+    return tr.GroupedRolloutRequest(
+        num_groups=num_groups,
+        rollouts_per_group=2,
+        inference_interface=RawInterface(),
+        streaming=streaming,
+        enforce_order=enforce_order,
+    )
+
+
+def assert_released(actors: tuple[object, ...], within: float = 5.0) -> None:
+    """Every actor is gone within ``within`` seconds: a call fails with Ray's actor error.
+    (Ray kills asynchronously: a call sent right after ``ray.kill`` may still run.)"""
+    deadline = time.monotonic() + within
+    for actor in actors:
+        while True:
+            try:
+                ray.get(actor.pid.remote(), timeout=WAIT)  # type: ignore[attr-defined]
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, f"{actor} is still alive after {within} s"
+            time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------ groups and order
+
+
+async def test_groups_cross_the_process_boundary_intact() -> None:
+    async with open_ray_rollouts(
+        Counting(tag="t"), request(num_groups=1, streaming=False), num_actors=1
+    ) as stream:
+        (group,) = [g async for g in stream]
+    assert group.rollouts == group_of("t", 1)
+    assert [type(r) for r in group] == [tr.Rollout, tr.TokenRollout]
+    assert group[0].extra == {"judge": {"score": 0.5, "notes": ["ok"]}}
+    assert tr.unstructure(group) == tr.unstructure(
+        tr.RolloutGroup(rollouts=group_of("t", 1), batch_id=0, index_in_batch=0)
+    )
+
+
+async def test_enforce_order_interleaves_whole_batches_round_robin() -> None:
+    async with open_ray_rollouts(tagged, request(enforce_order=True), num_actors=2) as stream:
+        groups = [await stream.receive() for _ in range(12)]
+    # Global batch ids 0, 1, 2, ... in delivery order; batch b is actor b % 2's batch b // 2.
+    assert [(g.batch_id, g.index_in_batch) for g in groups] == [
+        (b, i) for b in range(6) for i in range(2)
+    ]
+    assert [g[0].env_id for g in groups] == [f"actor{g.batch_id % 2}" for g in groups]
+
+
+async def test_non_streaming_yields_one_batch_per_actor_then_ends() -> None:
+    async with open_ray_rollouts(
+        tagged, request(num_groups=3, streaming=False), num_actors=2
+    ) as stream:
+        groups = [g async for g in stream]
+        with pytest.raises(trio.EndOfChannel):
+            await stream.receive()
+        assert stream.try_next() is None
+    # Without enforce_order the interleaving is arrival order, but the slots are fixed.
+    assert sorted((g.batch_id, g.index_in_batch) for g in groups) == [
+        (b, i) for b in range(2) for i in range(3)
+    ]
+    assert {g[0].env_id for g in groups if g.batch_id == 1} == {"actor1"}
+
+
+async def test_a_cancelled_receive_loses_no_group() -> None:
+    async with open_ray_rollouts(tagged, request(enforce_order=True), num_actors=1) as stream:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await stream.receive()
+        first = await stream.receive()
+    assert (first.batch_id, first.index_in_batch) == (0, 0)
+
+
+# ------------------------------------------------------------------------ bounds and statistics
+
+
+async def settled_statistics(stream: object, started: list[int]) -> tr.RolloutStreamStatistics:
+    """Poll the actors until their ``started`` counters are ``started``, then once more
+    after a settling time, and return that snapshot."""
+    with trio.fail_after(WAIT):
+        while True:
+            stats = await stream.fetch_statistics()  # type: ignore[attr-defined]
+            if [s.started for s in stats.per_actor] == started:
+                break
+            await trio.sleep(0.05)
+    await trio.sleep(0.5)
+    return await stream.fetch_statistics()  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_each_actor_runs_ahead_by_its_pipeline_bound_plus_one_prefetched_batch() -> None:
+    # P = 4, G = 2: W = 2 batches outstanding in each actor's pipeline. The merge takes one
+    # batch from each (prefetch), which frees one more: (W + 1) * G = 6 calls per actor.
+    async with open_ray_rollouts(tagged, request(enforce_order=True), num_actors=2) as stream:
+        stats = await settled_statistics(stream, [6, 6])
+        assert stats.prefetched == 4
+        assert stats.delivered == 0
+        # Taking actor 0's batch lets the merge ask actor 0, and only actor 0, for one more.
+        await stream.receive()
+        await stream.receive()
+        stats = await settled_statistics(stream, [8, 6])
+        assert stats.delivered == 2
+
+
+async def test_statistics_sum_the_actors_and_count_each() -> None:
+    async with open_ray_rollouts(tagged, request(enforce_order=True), num_actors=2) as stream:
+        for _ in range(8):
+            await stream.receive()
+        stats = await stream.fetch_statistics()
+        actor_0, actor_1 = stats.per_actor
+        assert (actor_0.delivered, actor_1.delivered, stats.delivered) == (4, 4, 8)
+        assert stats.started == actor_0.started + actor_1.started
+        assert stats.completed == actor_0.completed + actor_1.completed
+        assert stats.unaccounted == 0
+        assert stream.statistics().delivered == 8  # the cached view needs no round trip
+    stats = stream.statistics()
+    assert stats.unaccounted == 0
+    assert stats.in_flight == 0  # the actors' final counters: every call has exited
+    assert stats.pending == stats.prefetched == 0
+
+
+# ------------------------------------------------------------------------ failures
+
+
+async def test_an_exception_in_an_actor_reaches_the_consumer_as_itself() -> None:
+    def agent(i: int) -> Counting:
+        return Counting(tag=f"actor{i}", fail_at=3 if i == 1 else 0)
+
+    with pytest.raises(Boom, match="call 3 of actor1") as info:
+        async with open_ray_rollouts(agent, request(), num_actors=2) as stream:
+            async for _ in stream:
+                pass
+    assert type(info.value) is Boom  # Ray's RayTaskError envelope is gone
+    assert "raised in rollout actor 1 of 2" in info.value.__notes__[0]
+    assert "group_rollout" in info.value.__notes__[1]  # the actor's traceback
+    assert_released(stream.actors)
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+async def test_an_actor_that_dies_is_an_error_naming_it(how: str) -> None:
+    with pytest.raises(RolloutActorDiedError, match="rollout actor 1 of 2") as info:
+        async with open_ray_rollouts(tagged, request(), num_actors=2) as stream:
+            await stream.receive()
+            if how == "ray.kill":
+                ray.kill(stream.actors[1])
+            else:
+                os.kill(stream.actor_info[1].pid, signal.SIGKILL)  # type: ignore[union-attr]
+            with trio.fail_after(WAIT):
+                async for _ in stream:
+                    pass
+    assert info.value.actor_index == 1
+    assert info.value.actor_id == stream.actor_info[1].actor_id  # type: ignore[union-attr]
+    assert_released(stream.actors)
+
+
+def test_checks_run_before_any_actor_starts() -> None:
+    with pytest.raises(ValueError, match=r"parallel_generation_tasks \(1\) must be >= num_groups"):
+        open_ray_rollouts(Counting(parallel_generation_tasks=1), request(), num_actors=2)
+    with pytest.raises(ValueError, match="num_actors must be >= 1, got 0"):
+        open_ray_rollouts(Counting(), request(), num_actors=0)
+    with pytest.raises(TypeError, match="agent must be a GroupedRolloutGenerator"):
+        open_ray_rollouts("agent", request(), num_actors=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_restarts"):
+        open_ray_rollouts(Counting(), request(), num_actors=1, actor_options={"max_restarts": 1})
+
+
+async def test_a_factory_runs_in_the_actor_and_its_errors_are_raised_as_themselves() -> None:
+    def bad_request(i: int) -> tr.GroupedRolloutRequest:
+        return request(num_groups=8)  # more groups than Counting's 4 tasks
+
+    with pytest.raises(ValueError, match="parallel_generation_tasks") as info:
+        async with open_ray_rollouts(tagged, bad_request, num_actors=1):
+            pass  # pragma: no cover
+    assert "rollout actor 0 of 1" in info.value.__notes__[0]
+
+
+@attrs.define
+class LockedInterface(RawInterface):
+    """Holds a lock, as a client with a connection pool would: it cannot be pickled."""
+
+    lock: object = attrs.field(factory=threading.Lock)
+
+
+async def test_an_unpicklable_request_is_refused_with_a_hint_and_works_as_a_factory() -> None:
+    def locked(i: int) -> tr.GroupedRolloutRequest:
+        return tr.GroupedRolloutRequest(
+            num_groups=1, rollouts_per_group=2, inference_interface=LockedInterface()
+        )
+
+    with pytest.raises(TypeError) as info:
+        async with open_ray_rollouts(Counting(), locked(0), num_actors=1):
+            pass  # pragma: no cover
+    assert "pass a function that builds the request in the actor" in str(info.value.__notes__)
+    async with open_ray_rollouts(Counting(), locked, num_actors=1) as stream:
+        assert len([g async for g in stream]) == 1
+
+
+async def test_actors_the_cluster_cannot_place_are_a_timeout_naming_them() -> None:
+    with pytest.raises(TimeoutError, match=r"rollout actors \[0\] did not start"):
+        async with open_ray_rollouts(
+            Counting(), request(), num_actors=1, actor_options={"num_cpus": 3}, start_timeout=1
+        ):
+            pass  # pragma: no cover
+
+
+# ------------------------------------------------------------------------ shutdown
+
+
+async def test_leaving_stops_every_pipeline_and_releases_every_actor() -> None:
+    async with open_ray_rollouts(hanging(), request(), num_actors=2) as stream:
+        stats = await settled_statistics(stream, [4, 4])
+        assert stats.in_flight == 8
+        started = time.monotonic()
+    assert time.monotonic() - started < 5
+    assert stream.statistics().in_flight == 0  # stopped gracefully: every call exited
+    assert_released(stream.actors)
+    with pytest.raises(trio.ClosedResourceError):
+        await stream.receive()
+
+
+async def test_cancelling_the_consumer_stops_every_actor() -> None:
+    with trio.CancelScope() as scope:
+        async with open_ray_rollouts(hanging(), request(), num_actors=2) as stream:
+            scope.deadline = trio.current_time() + 0.3  # once the actors have started
+            await stream.receive()
+    assert scope.cancelled_caught
+    assert_released(stream.actors)
+
+
+async def test_an_actor_that_ignores_cancellation_is_killed_after_stop_timeout() -> None:
+    async with open_ray_rollouts(
+        Stubborn(), request(num_groups=1), num_actors=1, stop_timeout=0.5
+    ) as stream:
+        await trio.sleep(0.2)
+        started = time.monotonic()
+    assert time.monotonic() - started < 5
+    assert_released(stream.actors)
+
+
+# ------------------------------------------------------------------------ the sync twin
+
+
+def test_blocking_twin_takes_gets_drains_and_iterates() -> None:
+    with blocking_ray_rollouts(
+        tagged, request(num_groups=3, streaming=False, enforce_order=True), num_actors=2
+    ) as stream:
+        groups = stream.take(2, timeout=WAIT)
+        groups.append(stream.get(timeout=WAIT))
+        groups += list(stream)
+        assert stream.try_next() is None
+        assert stream.drain(3) == []
+        stats = stream.statistics()
+        actors = stream.actors
+    assert [(g.batch_id, g.index_in_batch) for g in groups] == [
+        (b, i) for b in range(2) for i in range(3)
+    ]
+    assert (stats.delivered, len(stats.per_actor)) == (6, 2)
+    assert_released(actors)
+
+
+def test_blocking_twin_raises_an_actor_exception_in_the_callers_thread() -> None:
+    with (
+        pytest.raises(Boom, match="call 2"),
+        blocking_ray_rollouts(Counting(fail_at=2), request(), num_actors=1) as stream,
+    ):
+        stream.take(100, timeout=WAIT)

@@ -1,0 +1,1141 @@
+"""Scaling out on Ray: rollout actors, each running a grouped pipeline, merged into one stream.
+
+A :class:`RolloutActor` hosts one agent in its own process and runs that agent's grouped
+pipeline (``_pipeline.py``, unchanged) in a Trio thread of its own; its methods take groups
+from the pipeline's stream. :func:`open_ray_rollouts` starts ``num_actors`` of them and
+merges their groups into one :class:`RayRolloutStream`, which has the surface of a
+:class:`~trio_rollouts.RolloutStream`; :func:`blocking_ray_rollouts` is its sync twin.
+
+Invariants of the merge (each one is a test):
+
+1. Bounded run-ahead: the merge asks an actor for a batch only when fewer than
+   ``prefetch_batches * num_groups`` of that actor's groups wait in the merge, and has at
+   most one request out per actor. Taking groups is what frees the actor's own pipeline,
+   so an actor holds at most ``W * G`` groups that the consumer has not taken (its
+   pipeline's bound) plus ``prefetch_batches * G`` in the merge.
+2. ``enforce_order``: every reply is one whole batch of one actor, in the actor's
+   ``batch_id`` order, and the merge hands batches out round-robin: actor 0's batch 0,
+   actor 1's batch 0, ..., actor 0's batch 1, ... Without it, groups come in the order
+   their replies arrived. Either way, a group's ``batch_id`` is renumbered
+   ``local_batch_id * num_actors + actor_index``: unique, and with ``enforce_order``
+   exactly 0, 1, 2, ... in delivery order.
+3. An exception in any actor's pipeline reaches the consumer as that exception (Ray's
+   ``RayTaskError`` envelope removed, a note naming the actor added), by cancelling the
+   consumer's body as a failing worker does in a local pipeline. An actor process that
+   dies is a :class:`RolloutActorDiedError` naming the actor.
+4. Leaving the ``async with`` by any route stops every actor's pipeline (each one waits
+   for its ``group_rollout`` calls to exit), then kills every actor; an actor that does not
+   stop within ``stop_timeout`` seconds is killed anyway.
+
+Ray's ``ObjectRef`` is awaitable in asyncio, not in Trio, so every wait for a reply is a
+``ray.get`` in a worker thread that Trio abandons on cancellation (the reply, if it ever
+comes, is dropped; the actor is stopped and killed at exit in any case).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import re
+import sys
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import attrs
+import trio
+
+try:
+    import ray
+    import ray.exceptions
+except ImportError as exc:  # pragma: no cover - exercised only without ray
+    msg = "trio_rollouts.ray needs Ray; install it with: pip install 'trio-rollouts[ray]'"
+    raise ImportError(msg) from exc
+
+from ._agents import GroupedRolloutGenerator
+from ._blocking import BlockingRolloutStream, _check_timeout
+from ._concurrency import flatten_exception_groups
+from ._models import GroupedRolloutRequest, RolloutGroup
+from ._pipeline import check_grouped_request
+from ._stream import EnvironmentStatistics, RolloutStream, RolloutStreamStatistics
+
+__all__ = [
+    "BlockingRayRolloutStream",
+    "RayRolloutStream",
+    "RayRolloutStreamStatistics",
+    "RolloutActor",
+    "RolloutActorDiedError",
+    "RolloutActorError",
+    "RolloutActorInfo",
+    "RolloutActorReply",
+    "blocking_ray_rollouts",
+    "open_ray_rollouts",
+]
+
+T = TypeVar("T")
+
+#: An agent, or a function that builds one inside the actor from the actor's index.
+AgentSource = GroupedRolloutGenerator | Callable[[int], GroupedRolloutGenerator]
+#: A request, or a function that builds one inside the actor from the actor's index.
+RequestSource = GroupedRolloutRequest | Callable[[int], GroupedRolloutRequest]
+
+#: Concurrent calls an actor must serve: a take, the watcher, a statistics poll, stop.
+ACTOR_CONCURRENCY = 4
+#: Ray colours the remote traceback it puts in an error message.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+#: The sequence number of an actor's final counters (returned by stop): newer than any.
+FINAL_SEQUENCE = sys.maxsize
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class RolloutActorError(RuntimeError):
+    """A rollout actor failed in a way that is not an exception of its agent.
+
+    ``actor_index`` is the actor's index (0 .. num_actors - 1), ``actor_id`` Ray's id for it
+    (hex), ``pid`` its process id when known.
+    """
+
+    def __init__(self, msg: str, *, actor_index: int, actor_id: str, pid: int | None) -> None:
+        super().__init__(msg)
+        self.actor_index = actor_index
+        self.actor_id = actor_id
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = (type(self), str(self), self.actor_index, self.actor_id, self.pid)
+        return (_rebuild_actor_error, args)
+
+
+class RolloutActorDiedError(RolloutActorError):
+    """A rollout actor's process died (killed, crashed, or its node was lost)."""
+
+
+def _rebuild_actor_error(
+    cls: type[RolloutActorError], msg: str, actor_index: int, actor_id: str, pid: int | None
+) -> RolloutActorError:
+    return cls(msg, actor_index=actor_index, actor_id=actor_id, pid=pid)
+
+
+# --------------------------------------------------------------------------- the actor
+
+
+@attrs.frozen(kw_only=True)
+class RolloutActorInfo:
+    """Where a started :class:`RolloutActor` runs, and the shape of its request."""
+
+    index: int
+    actor_id: str
+    pid: int
+    node_id: str
+    num_groups: int
+    streaming: bool
+    enforce_order: bool
+
+
+@attrs.frozen(kw_only=True)
+class RolloutActorReply:
+    """What :meth:`RolloutActor.serve` returns: the groups taken, whether the actor's stream
+    has ended, and a snapshot of its pipeline's counters taken right after the groups were
+    (``sequence`` orders the snapshots of one actor)."""
+
+    groups: list[RolloutGroup]
+    ended: bool
+    statistics: RolloutStreamStatistics
+    sequence: int
+
+
+def _build_agent(source: AgentSource, index: int) -> GroupedRolloutGenerator:
+    if isinstance(source, GroupedRolloutGenerator):
+        return source
+    return _checked_product(source(index), GroupedRolloutGenerator, "agent")
+
+
+def _build_request(source: RequestSource, index: int) -> GroupedRolloutRequest:
+    if isinstance(source, GroupedRolloutRequest):
+        return source
+    return _checked_product(source(index), GroupedRolloutRequest, "request")
+
+
+def _checked_product(built: T, cls: type, what: str) -> T:
+    if not isinstance(built, cls):
+        msg = f"the {what} factory must return a {cls.__name__}, got {type(built).__name__}"
+        raise TypeError(msg)
+    return built
+
+
+class RolloutActor:
+    """A grouped pipeline in a Ray actor: the agent and its pipeline live in the actor's
+    process, in a Trio thread of their own.
+
+    :func:`open_ray_rollouts` creates and drives these actors; use the class directly only
+    to drive actors yourself. It is a plain class: make it an actor with
+    ``ray.remote(RolloutActor).options(max_concurrency=4)`` (its methods block, so
+    :meth:`stop` and :meth:`statistics` need threads of their own while a :meth:`take`
+    waits). ``agent`` and ``request`` are the objects themselves (pickled to the actor) or
+    functions that build them in the actor, called with ``index``.
+
+    Methods (each one blocks the calling thread of the actor, never the pipeline):
+    :meth:`start`, :meth:`take`, :meth:`drain`, :meth:`serve`, :meth:`statistics`,
+    :meth:`wait_stopped`, :meth:`stop`.
+    """
+
+    def __init__(self, agent: AgentSource, request: RequestSource, index: int = 0) -> None:
+        self._agent_source = agent
+        self._request_source = request
+        self._index = index
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stream: RolloutStream | None = None
+        self._stop_scope: trio.CancelScope | None = None
+        self._stop_requested = False
+        self._failure: BaseException | None = None
+        self._failed_before_stop = False
+        self._opened = threading.Event()  # the pipeline is open, or failed to open
+        self._stopped = threading.Event()  # the Trio thread has ended
+        self._sequence = 0
+        self._streaming = False
+        self._num_groups = 0
+
+    # ---------------------------------------------------------------- the Trio thread
+
+    def start(self) -> RolloutActorInfo:
+        """Build the agent and request, check them, and open the pipeline.
+
+        Raises what the checks raise (``ValueError``, ``TypeError``) or what opening the
+        pipeline raises; returns where the actor runs once its pipeline is open.
+        """
+        if self._thread is not None:
+            msg = "RolloutActor.start() was called twice"
+            raise RuntimeError(msg)
+        agent = _build_agent(self._agent_source, self._index)
+        request = _build_request(self._request_source, self._index)
+        pipeline = agent.get_grouped_rollouts(request)  # checks raise here
+        self._streaming = request.streaming
+        self._num_groups = request.num_groups
+        self._thread = threading.Thread(
+            target=self._run_trio,
+            args=(pipeline,),
+            name=f"trio_rollouts:RolloutActor[{self._index}]",
+            daemon=True,
+        )
+        self._thread.start()
+        self._opened.wait()
+        self._raise_failure()
+        context = ray.get_runtime_context()
+        return RolloutActorInfo(
+            index=self._index,
+            actor_id=str(context.get_actor_id() or ""),
+            pid=os.getpid(),
+            node_id=str(context.get_node_id() or ""),
+            num_groups=request.num_groups,
+            streaming=request.streaming,
+            enforce_order=request.enforce_order,
+        )
+
+    def _run_trio(self, pipeline: contextlib.AbstractAsyncContextManager[RolloutStream]) -> None:
+        # Not a method: Ray makes a class with an ``async def`` method an asyncio actor,
+        # whose blocking methods would then block each other.
+        async def serve_pipeline() -> None:
+            self._token = trio.lowlevel.current_trio_token()
+            async with pipeline as stream:
+                self._stream = stream
+                with trio.CancelScope() as scope:
+                    self._stop_scope = scope
+                    # stop() sets the flag before it reads the scope; we set the scope
+                    # before we read the flag: one of us sees the other.
+                    if self._stop_requested:
+                        scope.cancel()
+                    self._opened.set()
+                    await trio.sleep_forever()
+
+        try:
+            trio.run(serve_pipeline)
+        except BaseException as exc:  # raised by the actor's next call
+            self._failed_before_stop = not self._stop_requested
+            self._failure = exc
+        finally:
+            self._stopped.set()
+            self._opened.set()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _call(self, afn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``afn`` in the Trio thread; a failed pipeline raises its own exception."""
+        self._raise_failure()
+        token = self._token
+        if token is None or self._stopped.is_set():
+            msg = f"rollout actor {self._index}: the pipeline is not running"
+            raise RuntimeError(msg)
+        try:
+            return trio.from_thread.run(afn, trio_token=token)
+        except (trio.RunFinishedError, trio.Cancelled, trio.ClosedResourceError):
+            # The pipeline ended while we waited: its failure, if any, is the news.
+            self._stopped.wait()
+            self._raise_failure()
+            msg = f"rollout actor {self._index}: the pipeline was stopped"
+            raise RuntimeError(msg) from None
+
+    def _reply(self, groups: list[RolloutGroup], ended: bool) -> RolloutActorReply:
+        """Runs in the Trio thread, right after the groups were taken (no checkpoint
+        between), so the snapshot counts exactly these groups as delivered."""
+        stream = cast(RolloutStream, self._stream)
+        statistics = stream.statistics()
+        if not self._streaming and statistics.delivered >= self._num_groups:
+            ended = True
+        self._sequence += 1
+        return RolloutActorReply(
+            groups=groups, ended=ended, statistics=statistics, sequence=self._sequence
+        )
+
+    # ---------------------------------------------------------------- the surface
+
+    def serve(self, n: int, whole: bool = True, timeout: float | None = None) -> RolloutActorReply:
+        """Take up to ``n`` groups and return them with a statistics snapshot.
+
+        ``whole=True``: wait until ``n`` groups are taken (with ``enforce_order`` and ``n``
+        equal to ``num_groups``, that is exactly one whole batch). ``whole=False``: wait for
+        one group, then add the groups that are ready now, up to ``n``. Either way fewer
+        come back only when the stream ended or ``timeout`` seconds passed; nothing is
+        lost (a group not returned stays in the stream). ``n=0`` returns a snapshot only.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            msg = f"serve(n) needs an int n >= 0, got {n!r}"
+            raise ValueError(msg)
+        _check_timeout(timeout)
+        # Set before the pipeline opens; _call refuses to run before that.
+        stream = cast(RolloutStream, self._stream)
+
+        async def collect() -> RolloutActorReply:
+            groups: list[RolloutGroup] = []
+            ended = False
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                try:
+                    groups.extend(stream.drain(n))
+                    while len(groups) < n and (whole or not groups):
+                        groups.append(await stream.receive())
+                    groups.extend(stream.drain(n - len(groups)))
+                except trio.EndOfChannel:
+                    ended = True
+            return self._reply(groups, ended)
+
+        return self._call(collect)
+
+    def take(self, n: int, timeout: float | None = None) -> list[RolloutGroup]:
+        """Wait until ``n`` groups are taken and return them in stream order; fewer only if
+        the stream ended or ``timeout`` seconds passed (nothing is lost)."""
+        return self.serve(n, whole=True, timeout=timeout).groups
+
+    def drain(self, n: int) -> list[RolloutGroup]:
+        """Take up to ``n`` groups that are ready now; never waits for generation."""
+        return self.serve(n, whole=True, timeout=0).groups
+
+    def statistics(self) -> RolloutStreamStatistics:
+        """A snapshot of the pipeline's counters."""
+        return self.serve(0).statistics
+
+    def wait_stopped(self) -> None:
+        """Block until the pipeline has ended; raise its exception if it failed before
+        :meth:`stop` was called. (A watcher: the merge keeps one of these calls pending on
+        every actor, so a failure or the actor's death is seen at once.)"""
+        self._opened.wait()
+        self._stopped.wait()
+        if self._failed_before_stop:
+            self._raise_failure()
+
+    def stop(self, timeout: float | None = None) -> RolloutStreamStatistics | None:
+        """Cancel the pipeline and wait up to ``timeout`` seconds for its thread to end.
+
+        Returns the pipeline's final counters, or ``None`` if it did not end in time (a
+        ``group_rollout`` that ignores cancellation). Raises the pipeline's exception if it
+        failed before it was asked to stop. Idempotent.
+        """
+        _check_timeout(timeout)
+        self._stop_requested = True
+        scope, token = self._stop_scope, self._token
+        if scope is not None and token is not None and not self._stopped.is_set():
+            # Scheduled, not waited for: a loop held by a call that ignores cancellation
+            # must not hold stop() past its timeout.
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(scope.cancel)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return None
+        if self._failed_before_stop:
+            self._raise_failure()
+        return None if self._stream is None else self._stream.statistics()
+
+    def pid(self) -> int:
+        """The actor's process id."""
+        return os.getpid()
+
+
+_RemoteRolloutActor: Any = ray.remote(max_concurrency=ACTOR_CONCURRENCY)(RolloutActor)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@attrs.frozen(kw_only=True)
+class RayRolloutStreamStatistics(RolloutStreamStatistics):
+    """The counters of a :class:`RayRolloutStream`: the sum over its actors, with each
+    actor's own counters in ``per_actor`` (by actor index).
+
+    Actor counters are as of each actor's latest reply (or
+    :meth:`RayRolloutStream.fetch_statistics`), so ``in_flight`` and ``buffered`` may lag.
+    The merge's own counts are exact: ``delivered`` counts groups the consumer has taken,
+    and ``pending`` includes groups on their way from an actor or waiting in the merge
+    (``prefetched`` of them are in the merge now). After the stream closes, groups nobody
+    took count as ``cancelled``. ``last_errors`` entries start with ``"actor N: "``.
+    """
+
+    per_actor: tuple[RolloutStreamStatistics, ...] = ()
+    prefetched: int = 0
+
+
+def _zero_statistics() -> RolloutStreamStatistics:
+    return RolloutStreamStatistics(
+        started=0,
+        completed=0,
+        filtered=0,
+        delivered=0,
+        in_flight=0,
+        buffered=0,
+        reordering=0,
+        failed=0,
+        outstanding_batches=0,
+    )
+
+
+def _int_fields() -> tuple[str, ...]:
+    return tuple(a.name for a in attrs.fields(RolloutStreamStatistics) if a.type in (int, "int"))
+
+
+_COUNTERS = _int_fields()
+
+
+def _sum_statistics(
+    per_actor: Sequence[RolloutStreamStatistics], prefetched: int
+) -> RayRolloutStreamStatistics:
+    totals = {name: sum(getattr(s, name) for s in per_actor) for name in _COUNTERS}
+    per_env: dict[str, EnvironmentStatistics] = {}
+    for s in per_actor:
+        for env_id, e in s.per_env.items():
+            seen = per_env.get(env_id)
+            per_env[env_id] = (
+                e
+                if seen is None
+                else EnvironmentStatistics(
+                    started=seen.started + e.started,
+                    delivered=seen.delivered + e.delivered,
+                    filtered=seen.filtered + e.filtered,
+                    failed=seen.failed + e.failed,
+                )
+            )
+    last_errors = tuple(
+        f"actor {i}: {error}" for i, s in enumerate(per_actor) for error in s.last_errors
+    )
+    return RayRolloutStreamStatistics(
+        **totals,
+        last_errors=last_errors,
+        per_env=per_env,
+        per_actor=tuple(per_actor),
+        prefetched=prefetched,
+    )
+
+
+# --------------------------------------------------------------------------- the merge
+
+
+class _Lane:
+    """The merge's state for one actor. Only Trio tasks of one run touch it."""
+
+    def __init__(self, index: int, num_actors: int, handle: Any) -> None:
+        self.index = index
+        self.num_actors = num_actors
+        self.handle = handle
+        self.info: RolloutActorInfo | None = None
+        self.groups: collections.deque[RolloutGroup] = collections.deque()  # enforce_order
+        self.held = 0  # received, not taken by the consumer
+        self.received = 0
+        self.taken = 0
+        self.requested = False
+        self.ended = False  # the actor sends no more groups
+        self.closed = False  # the stream has closed: untaken groups count as cancelled
+        self.snapshot = _zero_statistics()
+        self.sequence = -1
+        self.wanted = trio.lowlevel.ParkingLot()  # the feeder waits here for room
+
+    @property
+    def actor_id(self) -> str:
+        if self.info is not None:
+            return self.info.actor_id
+        try:
+            return str(self.handle._actor_id.hex())  # Ray keeps the id on the handle
+        except Exception:  # pragma: no cover - a handle without the private attribute
+            return "unknown"
+
+    def describe(self) -> str:
+        where = "" if self.info is None else f", pid {self.info.pid}"
+        return f"rollout actor {self.index} of {self.num_actors} (actor_id={self.actor_id}{where})"
+
+    def update_snapshot(self, statistics: RolloutStreamStatistics, sequence: int) -> None:
+        if sequence > self.sequence:
+            self.snapshot, self.sequence = statistics, sequence
+
+    def statistics(self) -> RolloutStreamStatistics:
+        s = self.snapshot
+        # The actor counts a group as delivered when it left the actor; the consumer has
+        # taken only `taken` of them. The rest are on their way or in the merge.
+        untaken = s.delivered - self.taken
+        return attrs.evolve(
+            s,
+            delivered=self.taken,
+            pending=s.pending + (0 if self.closed else untaken),
+            cancelled=s.cancelled + (untaken if self.closed else 0),
+        )
+
+    def translate(self, exc: BaseException) -> BaseException:
+        """Ray's view of a failure, turned into what the consumer should see."""
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            cause = exc.cause
+            if isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayError):
+                # str() of Ray's envelope is the remote traceback (the cause, unpickled,
+                # has none of its own).
+                cause.add_note(f"raised in {self.describe()}; the actor's traceback:")
+                cause.add_note(_ANSI_ESCAPE.sub("", str(exc)).rstrip())
+                return cause
+            msg = f"{self.describe()} failed: {exc}"
+            return RolloutActorError(
+                msg, actor_index=self.index, actor_id=self.actor_id, pid=self.pid
+            )
+        if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)):
+            msg = f"{self.describe()} died: {exc}"
+            error: RolloutActorError = RolloutActorDiedError(
+                msg, actor_index=self.index, actor_id=self.actor_id, pid=self.pid
+            )
+        elif isinstance(exc, ray.exceptions.RayError):
+            msg = f"{self.describe()} failed in Ray: {type(exc).__name__}: {exc}"
+            error = RolloutActorError(
+                msg, actor_index=self.index, actor_id=self.actor_id, pid=self.pid
+            )
+        else:
+            return exc
+        error.__cause__ = exc
+        return error
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.info is None else self.info.pid
+
+
+class RayRolloutStream:
+    """The groups of ``num_actors`` rollout actors, merged; :func:`open_ray_rollouts`
+    yields it. Same surface as :class:`~trio_rollouts.RolloutStream`: async iteration,
+    :meth:`receive`, :meth:`try_next`, :meth:`drain`, :meth:`statistics`; use it inside the
+    ``async with`` that opened it, from one consumer task.
+    """
+
+    _agent_source: AgentSource
+    _request_source: RequestSource
+    _num_actors: int
+    _prefetch_batches: int
+    _actor_options: dict[str, Any]
+    _start_timeout: float
+    _stop_timeout: float
+    _lanes: list[_Lane]
+    _limiter: trio.CapacityLimiter
+    _arrivals: collections.deque[tuple[_Lane, RolloutGroup]]
+    _consumer: trio.lowlevel.ParkingLot
+    _turn: int
+    _taken_in_turn: int
+    _num_groups: int
+    _enforce_order: bool
+    _streaming: bool
+    _closing: bool
+    _closed: bool
+    _failure: BaseException | None
+    _cancel_scope: trio.CancelScope | None
+
+    def __init__(self) -> None:
+        msg = "RayRolloutStream is created by open_ray_rollouts()"
+        raise TypeError(msg)
+
+    @classmethod
+    def _new(
+        cls,
+        agent: AgentSource,
+        request: RequestSource,
+        num_actors: int,
+        prefetch_batches: int,
+        actor_options: dict[str, Any],
+        start_timeout: float,
+        stop_timeout: float,
+    ) -> RayRolloutStream:
+        self = object.__new__(cls)
+        self._agent_source = agent
+        self._request_source = request
+        self._num_actors = num_actors
+        self._prefetch_batches = prefetch_batches
+        self._actor_options = actor_options
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        self._lanes = []
+        # Threads blocked in ray.get: a feeder and a watcher per actor, plus start, stop
+        # and statistics polls (abandoned threads hold their token until Ray answers).
+        self._limiter = trio.CapacityLimiter(max(8, 4 * num_actors))
+        self._arrivals = collections.deque()
+        self._consumer = trio.lowlevel.ParkingLot()  # the consumer waits here for groups
+        self._turn = 0  # enforce_order: the actor whose batch is next
+        self._taken_in_turn = 0
+        self._num_groups = 0
+        self._enforce_order = False
+        self._streaming = False
+        self._closing = False
+        self._closed = False
+        self._failure = None
+        self._cancel_scope = None
+        return self
+
+    def __repr__(self) -> str:
+        return f"<RayRolloutStream of {self._num_actors} actors {self.statistics()}>"
+
+    # ---------------------------------------------------------------- actors
+
+    @property
+    def actors(self) -> tuple[Any, ...]:
+        """The Ray actor handles, by actor index."""
+        return tuple(lane.handle for lane in self._lanes)
+
+    @property
+    def actor_info(self) -> tuple[RolloutActorInfo | None, ...]:
+        """Where each actor runs (``None`` for an actor that has not started)."""
+        return tuple(lane.info for lane in self._lanes)
+
+    async def _ray_get(self, ref: Any) -> Any:
+        return await trio.to_thread.run_sync(
+            ray.get, ref, abandon_on_cancel=True, limiter=self._limiter
+        )
+
+    def _create_actors(self) -> None:
+        """In a worker thread: pickle the agent and request once, create the actors."""
+        sources = []
+        for what, source in (("agent", self._agent_source), ("request", self._request_source)):
+            try:
+                sources.append(ray.put(source))
+            except Exception as exc:
+                exc.add_note(
+                    f"the {what} is pickled to every actor; if it holds something that "
+                    f"cannot be pickled, pass a function that builds the {what} in the "
+                    "actor instead (it is called with the actor's index)"
+                )
+                raise
+        remote = _RemoteRolloutActor.options(**self._actor_options)
+        for index in range(self._num_actors):
+            handle = remote.remote(sources[0], sources[1], index)
+            self._lanes.append(_Lane(index, self._num_actors, handle))
+
+    async def _start_actors(self) -> None:
+        # Not abandoned: every actor created must be known, to be killed at exit.
+        await trio.to_thread.run_sync(self._create_actors, limiter=self._limiter)
+        errors: list[BaseException] = []
+
+        async def start(lane: _Lane, cancel_scope: trio.CancelScope) -> None:
+            try:
+                lane.info = await self._ray_get(lane.handle.start.remote())
+            except Exception as exc:
+                errors.append(lane.translate(exc))
+                cancel_scope.cancel()  # one failed start fails them all: stop waiting
+
+        with trio.move_on_after(self._start_timeout) as deadline:
+            async with trio.open_nursery() as nursery:
+                for lane in self._lanes:
+                    nursery.start_soon(start, lane, nursery.cancel_scope)
+        if errors:
+            raise errors[0]
+        if deadline.cancelled_caught:
+            late = [lane.index for lane in self._lanes if lane.info is None]
+            msg = (
+                f"rollout actors {late} did not start within start_timeout="
+                f"{self._start_timeout} s; can the cluster place {self._num_actors} actors "
+                f"with {self._actor_options}? (ray.available_resources() tells)"
+            )
+            raise TimeoutError(msg)
+        infos = [cast(RolloutActorInfo, lane.info) for lane in self._lanes]
+        shapes = {(i.num_groups, i.streaming, i.enforce_order) for i in infos}
+        if len(shapes) > 1:
+            msg = (
+                "every actor's request must have the same num_groups, streaming and "
+                f"enforce_order; the request factory gave {sorted(shapes)}"
+            )
+            raise ValueError(msg)
+        self._num_groups, self._streaming, self._enforce_order = shapes.pop()
+
+    async def _stop_actors(self) -> BaseException | None:
+        """Stop every pipeline (waiting up to stop_timeout), then kill every actor.
+
+        Returns the first failure an actor reported while stopping, for the caller to raise
+        when nothing else is being raised.
+        """
+        failures: list[BaseException] = []
+
+        async def stop(lane: _Lane) -> None:
+            try:
+                final = await self._ray_get(lane.handle.stop.remote(self._stop_timeout))
+            except Exception as exc:
+                failures.append(lane.translate(exc))
+            else:
+                if final is not None:
+                    lane.update_snapshot(final, FINAL_SEQUENCE)
+
+        with trio.move_on_after(self._stop_timeout + 1.0):
+            async with trio.open_nursery() as nursery:
+                for lane in self._lanes:
+                    # An actor that has not started (not placed yet, or still building its
+                    # pipeline) would only answer after that: it is killed at once.
+                    if lane.info is not None:
+                        nursery.start_soon(stop, lane)
+        for lane in self._lanes:
+            lane.closed = True
+            with contextlib.suppress(Exception):
+                ray.kill(lane.handle, no_restart=True)
+        return failures[0] if failures else None
+
+    def _fail(self, exc: BaseException) -> None:
+        """The first failure wins; it cancels the feeders, the watchers and the consumer's
+        body, and is raised from the ``async with``."""
+        if self._failure is None and not self._closing:
+            self._failure = exc
+            if self._cancel_scope is not None:
+                self._cancel_scope.cancel()
+
+    # ---------------------------------------------------------------- feeders and watchers
+
+    def _has_room(self, lane: _Lane) -> bool:
+        cap = self._prefetch_batches * self._num_groups
+        return not lane.ended and lane.held + self._num_groups <= cap
+
+    async def _feed(self, lane: _Lane) -> None:
+        """Ask ``lane``'s actor for a batch whenever the merge has room for one."""
+        while not lane.ended:
+            while not self._has_room(lane):
+                await lane.wanted.park()
+            lane.requested = True
+            ref = lane.handle.serve.remote(self._num_groups, self._enforce_order)
+            try:
+                reply: RolloutActorReply = await self._ray_get(ref)
+            except Exception as exc:
+                self._fail(lane.translate(exc))
+                return
+            finally:
+                lane.requested = False
+            self._accept(lane, reply)
+
+    def _accept(self, lane: _Lane, reply: RolloutActorReply) -> None:
+        lane.update_snapshot(reply.statistics, reply.sequence)
+        for group in reply.groups:
+            group.batch_id = group.batch_id * self._num_actors + lane.index
+            if self._enforce_order:
+                lane.groups.append(group)
+            else:
+                self._arrivals.append((lane, group))
+        lane.held += len(reply.groups)
+        lane.received += len(reply.groups)
+        if reply.ended or (not self._streaming and lane.received >= self._num_groups):
+            lane.ended = True
+        self._consumer.unpark_all()
+
+    async def _watch(self, lane: _Lane) -> None:
+        """Keep a ``wait_stopped`` call pending on the actor: it returns or fails when the
+        actor's pipeline ends, and fails at once when the actor's process dies."""
+        try:
+            await self._ray_get(lane.handle.wait_stopped.remote())
+        except Exception as exc:
+            self._fail(lane.translate(exc))
+            return
+        msg = f"{lane.describe()} stopped its pipeline while the stream was open"
+        self._fail(
+            RolloutActorError(msg, actor_index=lane.index, actor_id=lane.actor_id, pid=lane.pid)
+        )
+
+    # ---------------------------------------------------------------- taking groups
+
+    def _pop_ready(self) -> RolloutGroup | None:
+        """The next group in merge order if it is here; ``None`` if it is still to come."""
+        if self._closed:
+            raise trio.ClosedResourceError("the stream's 'async with' has exited")
+        if not self._enforce_order:
+            if self._arrivals:
+                lane, group = self._arrivals.popleft()
+                return self._take(lane, group)
+            if all(lane.ended for lane in self._lanes):
+                raise trio.EndOfChannel
+            return None
+        # Round-robin by whole batch, skipping actors whose stream has ended and is empty.
+        for _ in range(len(self._lanes)):
+            lane = self._lanes[self._turn]
+            if lane.groups or not lane.ended:
+                break
+            self._advance_turn()
+        else:
+            raise trio.EndOfChannel
+        if not lane.groups:
+            return None
+        group = self._take(lane, lane.groups.popleft())
+        self._taken_in_turn += 1
+        if self._taken_in_turn == self._num_groups:
+            self._advance_turn()
+        return group
+
+    def _advance_turn(self) -> None:
+        self._turn = (self._turn + 1) % len(self._lanes)
+        self._taken_in_turn = 0
+
+    def _take(self, lane: _Lane, group: RolloutGroup) -> RolloutGroup:
+        lane.held -= 1
+        lane.taken += 1
+        if not lane.requested and self._has_room(lane):
+            lane.wanted.unpark_all()
+        return group
+
+    async def receive(self) -> RolloutGroup:
+        """Wait for the next group and take it.
+
+        Raises ``trio.EndOfChannel`` when a non-streaming request's batches (one per actor)
+        have all been taken, and ``trio.ClosedResourceError`` after the ``async with`` has
+        exited.
+
+        Cancellation: always a cancellation point; a schedule point only when it has to
+        wait. If it is cancelled, no group is lost and no actor is disturbed: the group
+        arrives on a later call.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            group = self._pop_ready()
+            if group is not None:
+                return group
+            await self._consumer.park()
+
+    def try_next(self) -> RolloutGroup | None:
+        """Take a group that is in the merge now, or return ``None`` at once.
+
+        Never blocks, never asks an actor (a take frees room, which wakes the actor's
+        feeder), never loses work. Not a checkpoint.
+        """
+        try:
+            return self._pop_ready()
+        except trio.EndOfChannel:
+            return None
+
+    def drain(self, n: int) -> list[RolloutGroup]:
+        """Take up to ``n`` groups that are in the merge now; never blocks. Not a
+        checkpoint."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            msg = f"drain(n) needs an int n >= 0, got {n!r}"
+            raise ValueError(msg)
+        groups: list[RolloutGroup] = []
+        while len(groups) < n:
+            group = self.try_next()
+            if group is None:
+                break
+            groups.append(group)
+        return groups
+
+    def __aiter__(self) -> RayRolloutStream:
+        return self
+
+    async def __anext__(self) -> RolloutGroup:
+        """Async iteration: :meth:`receive` until the stream ends. Cancellation: as
+        :meth:`receive`."""
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    # ---------------------------------------------------------------- statistics
+
+    def statistics(self) -> RayRolloutStreamStatistics:
+        """The actors' counters summed, and each actor's in ``per_actor``, as of each
+        actor's latest reply (see :class:`RayRolloutStreamStatistics`). Never asks an
+        actor; not a checkpoint."""
+        prefetched = sum(lane.held for lane in self._lanes if not lane.closed)
+        return _sum_statistics([lane.statistics() for lane in self._lanes], prefetched)
+
+    async def fetch_statistics(self) -> RayRolloutStreamStatistics:
+        """Ask every actor for its counters now, wait for the answers, then return
+        :meth:`statistics`.
+
+        An actor that has failed or died keeps its previous counters (its failure reaches
+        the consumer on its own). An actor answers when its pipeline's Trio loop next
+        checkpoints: bound the wait with ``trio.move_on_after`` if a ``group_rollout`` can
+        hold the loop.
+
+        Cancellation: cancelling it abandons the questions not yet answered (the actors
+        that answered are updated); the stream is unaffected.
+        """
+
+        async def fetch(lane: _Lane) -> None:
+            with contextlib.suppress(Exception):
+                reply = await self._ray_get(lane.handle.serve.remote(0))
+                lane.update_snapshot(reply.statistics, reply.sequence)
+
+        if not self._closed:
+            async with trio.open_nursery() as nursery:
+                for lane in self._lanes:
+                    nursery.start_soon(fetch, lane)
+        return self.statistics()
+
+
+def _check_positive(name: str, value: object, *, integer: bool) -> None:
+    kind = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        what = "an int >= 1" if integer else "a number of seconds > 0"
+        msg = f"{name} must be {what}, got {value!r}"
+        raise TypeError(msg)
+    if integer and value < 1:
+        msg = f"{name} must be >= 1, got {value!r}"
+        raise ValueError(msg)
+    if not integer and not value > 0:
+        msg = f"{name} must be > 0 seconds, got {value!r}"
+        raise ValueError(msg)
+
+
+def _checked_actor_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    merged: dict[str, Any] = {"num_cpus": 1, **(options or {})}
+    concurrency = merged.setdefault("max_concurrency", ACTOR_CONCURRENCY)
+    if not isinstance(concurrency, int) or concurrency < ACTOR_CONCURRENCY:
+        msg = (
+            f"actor_options max_concurrency must be >= {ACTOR_CONCURRENCY} (a take, the "
+            f"watcher, a statistics poll and stop run at once), got {concurrency!r}"
+        )
+        raise ValueError(msg)
+    if merged.get("max_restarts", 0) != 0:
+        msg = (
+            "rollout actors cannot be restarted (a restarted actor has lost its pipeline "
+            f"and its place in the merge); got max_restarts={merged['max_restarts']!r}"
+        )
+        raise ValueError(msg)
+    return merged
+
+
+def _check_sources(agent: object, request: object) -> None:
+    if not isinstance(agent, GroupedRolloutGenerator) and not callable(agent):
+        msg = (
+            "agent must be a GroupedRolloutGenerator or a function that builds one from the "
+            f"actor's index, got {type(agent).__name__}"
+        )
+        raise TypeError(msg)
+    if not isinstance(request, GroupedRolloutRequest) and not callable(request):
+        msg = (
+            "request must be a GroupedRolloutRequest or a function that builds one from the "
+            f"actor's index, got {type(request).__name__}"
+        )
+        raise TypeError(msg)
+    if isinstance(agent, GroupedRolloutGenerator) and isinstance(request, GroupedRolloutRequest):
+        check_grouped_request(agent, request)  # before any actor starts
+
+
+@contextlib.asynccontextmanager
+async def _open(stream: RayRolloutStream) -> AsyncIterator[RayRolloutStream]:
+    stop_failure: BaseException | None = None
+    try:
+        with flatten_exception_groups():
+            await stream._start_actors()
+            async with trio.open_nursery() as nursery:
+                stream._cancel_scope = nursery.cancel_scope
+                for lane in stream._lanes:
+                    nursery.start_soon(stream._feed, lane)
+                    nursery.start_soon(stream._watch, lane)
+                try:
+                    yield stream
+                finally:
+                    stream._closing = True  # what fails from here on is shutdown noise
+                    nursery.cancel_scope.cancel()
+    finally:
+        stream._closing = True
+        stream._closed = True
+        stream._consumer.unpark_all()
+        with trio.CancelScope(shield=True):
+            stop_failure = await stream._stop_actors()
+    if stream._failure is not None:
+        raise stream._failure
+    if stop_failure is not None:
+        raise stop_failure
+
+
+def open_ray_rollouts(
+    agent: AgentSource,
+    request: RequestSource,
+    *,
+    num_actors: int,
+    prefetch_batches: int = 1,
+    actor_options: Mapping[str, Any] | None = None,
+    start_timeout: float = 120.0,
+    stop_timeout: float = 10.0,
+) -> contextlib.AbstractAsyncContextManager[RayRolloutStream]:
+    """Run ``agent``'s grouped pipeline in ``num_actors`` Ray actors and merge their groups;
+    use as ``async with ... as stream``.
+
+    ::
+
+        async with open_ray_rollouts(agent, request, num_actors=4) as stream:
+            async for group in stream:
+                ...
+
+    ``agent`` and ``request`` are pickled to every actor, or are functions that build them
+    inside each actor, called with the actor's index (for what cannot be pickled, or to
+    give each actor its own seed or inference replica). Every actor runs the whole request:
+    ``num_groups`` is per actor, so a non-streaming request yields ``num_actors`` batches.
+    Given as objects, they are checked at once, before any actor starts (as
+    :meth:`~trio_rollouts.GroupedRolloutGenerator.get_grouped_rollouts` checks); factories
+    are checked in the actors, before their pipelines start.
+
+    ``prefetch_batches``: how many batches of each actor may wait in the merge, requested
+    but not taken. ``actor_options`` go to Ray's ``.options()`` (default ``num_cpus=1``).
+    Ray is used as it is set up (``ray.init()`` first to choose a cluster). Ordering,
+    ``batch_id`` numbering, run-ahead and failures: see docs/scaling.md and the
+    invariants in the docstring of ``trio_rollouts._ray``.
+
+    Errors: an exception in any actor's ``group_rollout`` leaves the ``async with`` as that
+    exception, with a note naming the actor; an actor that dies is a
+    :class:`RolloutActorDiedError`; actors that do not start within ``start_timeout``
+    seconds are a ``TimeoutError``.
+
+    Cancellation: leaving the ``async with`` by any route (break, return, exception, an
+    outer cancel scope) stops every actor's pipeline, waiting up to ``stop_timeout``
+    seconds for its ``group_rollout`` calls to exit, then kills every actor; ``__aexit__``
+    returns after that, and is shielded from cancellation while it waits. Cancelling
+    ``__aenter__`` while the actors start kills the actors started so far.
+    """
+    _check_sources(agent, request)
+    _check_positive("num_actors", num_actors, integer=True)
+    _check_positive("prefetch_batches", prefetch_batches, integer=True)
+    _check_positive("start_timeout", start_timeout, integer=False)
+    _check_positive("stop_timeout", stop_timeout, integer=False)
+    options = _checked_actor_options(actor_options)
+    stream = RayRolloutStream._new(
+        agent, request, num_actors, prefetch_batches, options, start_timeout, stop_timeout
+    )
+    return _open(stream)
+
+
+# --------------------------------------------------------------------------- the sync twin
+
+
+class _MergedStreamSource:
+    """Quacks like an agent for :class:`BlockingRolloutStream`, whose machinery (a Trio
+    thread, take/get/drain with timeouts, failures raised in the caller's thread) works for
+    any stream with the RolloutStream surface."""
+
+    def __init__(self, open_stream: contextlib.AbstractAsyncContextManager[RayRolloutStream]):
+        self._open_stream = open_stream
+
+    def get_grouped_rollouts(
+        self, request: object
+    ) -> contextlib.AbstractAsyncContextManager[RayRolloutStream]:
+        return self._open_stream
+
+
+class BlockingRayRolloutStream(BlockingRolloutStream):
+    """The merged groups of Ray rollout actors, driven from synchronous code; created by
+    :func:`blocking_ray_rollouts`. The surface of
+    :class:`~trio_rollouts.BlockingRolloutStream` (``take``, ``get``, ``try_next``,
+    ``drain``, iteration, ``statistics``), plus :meth:`fetch_statistics` and the actors.
+    """
+
+    def __init__(
+        self, open_stream: contextlib.AbstractAsyncContextManager[RayRolloutStream]
+    ) -> None:
+        super().__init__(_MergedStreamSource(open_stream), None)  # type: ignore[arg-type]
+
+    def _merged(self) -> RayRolloutStream:
+        return cast(RayRolloutStream, self._require_stream())
+
+    def statistics(self) -> RayRolloutStreamStatistics:
+        """The actors' counters as of their latest replies (see
+        :meth:`RayRolloutStream.statistics`)."""
+        return cast(RayRolloutStreamStatistics, super().statistics())
+
+    def fetch_statistics(self, timeout: float | None = 10.0) -> RayRolloutStreamStatistics:
+        """Ask every actor for its counters now and return :meth:`statistics` (see
+        :meth:`RayRolloutStream.fetch_statistics`); actors that have not answered within
+        ``timeout`` seconds keep their previous counters."""
+        _check_timeout(timeout)
+        stream = self._merged()
+
+        async def fetch() -> RayRolloutStreamStatistics:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                return await stream.fetch_statistics()
+            return stream.statistics()
+
+        return self._call(fetch)
+
+    @property
+    def actors(self) -> tuple[Any, ...]:
+        """The Ray actor handles, by actor index."""
+        return self._merged().actors
+
+    @property
+    def actor_info(self) -> tuple[RolloutActorInfo | None, ...]:
+        """Where each actor runs."""
+        return self._merged().actor_info
+
+
+class _BlockingRayContext:
+    def __init__(self, stream: BlockingRayRolloutStream) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> BlockingRayRolloutStream:
+        self._stream._start()
+        return self._stream
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stream._stop()
+        if exc is None:
+            self._stream._raise_failure()
+
+
+def blocking_ray_rollouts(
+    agent: AgentSource,
+    request: RequestSource,
+    *,
+    num_actors: int,
+    prefetch_batches: int = 1,
+    actor_options: Mapping[str, Any] | None = None,
+    start_timeout: float = 120.0,
+    stop_timeout: float = 10.0,
+) -> contextlib.AbstractContextManager[BlockingRayRolloutStream]:
+    """:func:`open_ray_rollouts` for synchronous trainers, as
+    :func:`~trio_rollouts.blocking_grouped_rollouts` is for one pipeline::
+
+        with blocking_ray_rollouts(agent, request, num_actors=4) as stream:
+            groups = stream.take(16, timeout=60)   # blocks
+            more = stream.drain(4)                 # never blocks
+
+    Arguments are checked at once, in the caller's thread; ``__enter__`` returns once every
+    actor has started. An actor's exception is raised in the caller's thread at its next
+    call, and at the exit of the ``with`` at the latest. Leaving the block stops and kills
+    every actor and joins the Trio thread.
+    """
+    open_stream = open_ray_rollouts(
+        agent,
+        request,
+        num_actors=num_actors,
+        prefetch_batches=prefetch_batches,
+        actor_options=actor_options,
+        start_timeout=start_timeout,
+        stop_timeout=stop_timeout,
+    )
+    return _BlockingRayContext(BlockingRayRolloutStream(open_stream))
