@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from ._checks import int_at_least as _int_at_least
 from ._concurrency import gather
 from ._failure import FailurePolicy
 from ._models import (
@@ -48,18 +49,6 @@ def _require_raw(agent: Agent, request: RolloutRequest | GroupedRolloutRequest) 
             f"(ReturnsRaw); {type(request.inference_interface).__name__} does not"
         )
         raise TypeError(msg)
-
-
-def _int_at_least(minimum: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
-            raise TypeError(msg)
-        if value < minimum:
-            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
-            raise ValueError(msg)
-
-    return check
 
 
 @attrs.define(kw_only=True)

@@ -22,6 +22,7 @@ import numpy as np
 import trio
 
 from ._agents import EvaluationAgent
+from ._checks import int_at_least
 from ._concurrency import flatten_exception_groups
 from ._models import (
     ChatMessage,
@@ -258,18 +259,6 @@ async def gather_bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int
             for _ in range(min(limit, len(calls))):
                 nursery.start_soon(worker)
     return results  # type: ignore[return-value]  # every slot was filled
-
-
-def int_at_least(minimum: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not _is_int(value):
-            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
-            raise TypeError(msg)
-        if value < minimum:  # type: ignore[operator]
-            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
-            raise ValueError(msg)
-
-    return check
 
 
 # --------------------------------------------------------------------------- results

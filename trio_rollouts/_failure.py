@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._checks import int_at_least as _int_at_least
 from .inference._errors import TRANSIENT_ERRORS
 
 __all__ = [
@@ -57,18 +58,6 @@ def _check_timeout(instance: object, attribute: attrs.Attribute[Any], value: obj
     if not value > 0 or math.isnan(value):
         msg = f"group_timeout must be > 0 seconds (or None for no deadline), got {value!r}"
         raise ValueError(msg)
-
-
-def _int_at_least(minimum: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
-            raise TypeError(msg)
-        if value < minimum:
-            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
-            raise ValueError(msg)
-
-    return check
 
 
 def _non_negative_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

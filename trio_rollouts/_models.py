@@ -19,6 +19,13 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from ._checks import check_bool as _check_bool
+from ._checks import check_optional_str as _check_optional_str
+from ._checks import check_str as _check_str
+from ._checks import int_at_least as _int_at_least
+from ._checks import is_int as _is_int
+from ._checks import is_real as _is_real
+
 if TYPE_CHECKING:
     from .inference._interface import InferenceInterface
 
@@ -40,44 +47,6 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- validators
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int_at_least(minimum: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not _is_int(value):
-            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
-            raise TypeError(msg)
-        if value < minimum:  # type: ignore[operator]
-            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
-            raise ValueError(msg)
-
-    return check
-
-
-def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, bool):
-        msg = f"{attribute.name} must be a bool, got {value!r}"
-        raise TypeError(msg)
-
-
-def _check_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, str):
-        msg = f"{attribute.name} must be a str, got {value!r}"
-        raise TypeError(msg)
-
-
-def _check_optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, str):
-        msg = f"{attribute.name} must be a str or None, got {value!r}"
-        raise TypeError(msg)
 
 
 def _check_optional_finite(

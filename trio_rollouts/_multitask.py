@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from ._agents import Agent, EvaluationAgent, GroupedRolloutGenerator
+from ._checks import check_bool as _check_bool
 from ._concurrency import gather
 from ._models import (
     EvaluationRequest,
@@ -64,12 +65,6 @@ def _check_weight_value(name: str, value: object) -> None:
 
 def _check_weight(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     _check_weight_value("weight", value)
-
-
-def _check_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, bool):
-        msg = f"{attribute.name} must be a bool, got {value!r}"
-        raise TypeError(msg)
 
 
 def _check_env_id(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -18,13 +18,13 @@ from typing import Any
 import attrs
 
 from .._agents import Agent, ContrastiveRolloutGenerator
+from .._checks import int_at_least
 from .._evaluation import (
     Problem,
     ProblemLike,
     RewardFunction,
     as_problem_source,
     gather_bounded,
-    int_at_least,
     problem_at,
     score,
 )

@@ -30,6 +30,7 @@ import httpx2
 import stamina
 import trio
 
+from .._checks import int_at_least as _int_at_least
 from .._models import ChatMessage
 from ._errors import (
     TRANSIENT_ERRORS,
@@ -202,18 +203,6 @@ def _check_model(instance: object, attribute: attrs.Attribute[Any], value: objec
         raise ValueError(msg)
 
 
-def _check_count(minimum: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            msg = f"{attribute.name} must be an int >= {minimum}, got {value!r}"
-            raise TypeError(msg)
-        if value < minimum:
-            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
-            raise ValueError(msg)
-
-    return check
-
-
 def _to_timeout(value: httpx2.Timeout | float | None) -> httpx2.Timeout:
     if isinstance(value, httpx2.Timeout):
         return value
@@ -311,9 +300,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     endpoint: Literal["chat", "completions"] = attrs.field(
         default="chat", validator=attrs.validators.in_(("chat", "completions"))
     )
-    max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_check_count(1))
+    max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_int_at_least(1))
     timeout: httpx2.Timeout = attrs.field(default=DEFAULT_TIMEOUT, converter=_to_timeout)
-    max_retries: int = attrs.field(default=DEFAULT_MAX_RETRIES, validator=_check_count(0))
+    max_retries: int = attrs.field(default=DEFAULT_MAX_RETRIES, validator=_int_at_least(0))
     backoff: RetryBackoff = attrs.field(
         factory=RetryBackoff, validator=attrs.validators.instance_of(RetryBackoff)
     )
