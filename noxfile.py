@@ -52,3 +52,10 @@ def ray(session: nox.Session) -> None:
     """The Ray scale-out tests (starts a local Ray cluster; not part of the default run)."""
     session.install("-e", ".[test,ray]")
     session.run("pytest", "tests/test_ray.py", *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """A million groups with random faults; RSS must stay flat (not part of CI)."""
+    session.install("-e", ".")
+    session.run("python", "benchmarks/soak.py", *session.posargs)

@@ -1,0 +1,139 @@
+"""Soak run: a million groups through the pipeline with random faults; RSS must stay flat.
+
+Usage: python benchmarks/soak.py [--groups N] [--seed S]
+
+The agent's ``group_rollout`` is instant but misbehaves at random: about 2% of calls raise
+a transient error (retried in the same slot), 0.5% raise a non-transient one (skipped by
+``on_failure="skip"``), 1% hang past the group deadline (a timeout, retried), and 10%
+return a group whose rewards are all equal (filtered and regenerated). The consumer takes
+groups in streaming mode with ``enforce_order`` and pauses now and then. The script
+prints the RSS after the first 2% of the groups and at the end, the statistics, and
+checks that the ledger adds up. It is not part of CI (``nox -s soak``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import time
+
+import attrs
+import stamina
+import trio
+
+import trio_rollouts as tr
+from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+
+
+class Transient(Exception):
+    """A fault worth another attempt."""
+
+
+class Broken(Exception):
+    """A fault that is not retried (the group is skipped)."""
+
+
+@attrs.define
+class Interface(InferenceInterface, tr.ReturnsRaw):
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        return InferenceResponse(response=tr.ChatMessage(role="assistant", content=""))
+
+
+@attrs.define
+class FaultyAgent(tr.GroupedRolloutGenerator):
+    rng: random.Random = attrs.field(kw_only=True)
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        roll = self.rng.random()
+        if roll < 0.02:
+            await trio.lowlevel.checkpoint()
+            raise Transient("flaky")
+        if roll < 0.025:
+            await trio.lowlevel.checkpoint()
+            raise Broken("broken")
+        if roll < 0.035:
+            await trio.sleep(10)  # past the deadline
+        else:
+            await trio.lowlevel.checkpoint()
+        same = roll < 0.135
+        return [
+            tr.Rollout(trajectory=["x" * 64], reward=1.0 if same else float(i), problem_id=str(i))
+            for i in range(4)
+        ]
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+async def soak(groups: int, seed: int) -> None:
+    rng = random.Random(seed)
+    agent = FaultyAgent(
+        rng=rng,
+        parallel_generation_tasks=64,
+        buffer_size=16,
+        failure_policy=tr.FailurePolicy(
+            group_timeout=0.01,
+            max_attempts=3,
+            retry_on=(Transient, tr.GroupTimeoutError),
+            wait_initial=0.0,
+            wait_max=0.0,
+            wait_jitter=0.0,
+            on_failure="skip",
+            skip_budget=groups,
+        ),
+    )
+    request = tr.GroupedRolloutRequest(
+        num_groups=4,
+        rollouts_per_group=4,
+        inference_interface=Interface(),
+        streaming=True,
+        enforce_order=True,
+        filter_groups_with_same_reward=True,
+    )
+    warm = max(1, groups // 50)
+    start = time.perf_counter()
+    rss_start = rss_end = 0
+    async with agent.get_grouped_rollouts(request) as stream:
+        for n in range(1, groups + 1):
+            await stream.receive()
+            if n % 10_000 == 0 and rng.random() < 0.1:
+                await trio.sleep(0.005)  # a consumer pause
+            if n == warm:
+                rss_start = rss_kib()
+        rss_end = rss_kib()
+    stats = stream.statistics()
+    wall = time.perf_counter() - start
+    print(
+        f"groups delivered: {stats.delivered:,} in {wall:.1f} s ({stats.delivered / wall:,.0f}/s)"
+    )
+    print(
+        f"attempts {stats.attempts:,}, retries {stats.retries:,}, timeouts {stats.timeouts:,}, "
+        f"skipped {stats.skipped:,}, filtered {stats.filtered:,}, cancelled at exit "
+        f"{stats.cancelled:,}, unaccounted {stats.unaccounted}"
+    )
+    print(
+        f"RSS after {warm:,} groups: {rss_start:,} KiB; at the end: {rss_end:,} KiB "
+        f"({rss_end - rss_start:+,} KiB)"
+    )
+    if stats.unaccounted != 0:
+        msg = f"the ledger does not add up: {stats}"
+        raise SystemExit(msg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=1_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    stamina.instrumentation.set_on_retry_hooks([])  # a million retry log lines help no one
+    trio.run(soak, args.groups, args.seed)
+
+
+if __name__ == "__main__":
+    main()
