@@ -170,8 +170,8 @@ class GroupedRolloutGenerator(Agent):
         Checked at once, before any work: ``num_groups >= 1``, ``rollouts_per_group >= 1``,
         ``parallel_generation_tasks >= num_groups``, ``buffer_size >= 0``, filtering needs
         ``rollouts_per_group >= 2`` (``ValueError``); the interface must be ``ReturnsRaw``
-        (``TypeError``). When streaming, a ``parallel_generation_tasks`` that is not a
-        multiple of ``num_groups`` warns (``RuntimeWarning``) that capacity is unused.
+        (``TypeError``). A ``parallel_generation_tasks`` that is not a multiple of
+        ``num_groups`` warns (``RuntimeWarning``) that capacity is unused.
 
         Groups come in batches of ``num_groups`` that share a ``batch_id`` (0, 1, ...).
         Non-streaming: exactly one batch, then the stream ends. Streaming: batches until

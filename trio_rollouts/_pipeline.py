@@ -102,7 +102,7 @@ def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRollou
             f"rollout always has the same reward), got {request.rollouts_per_group}"
         )
         raise ValueError(msg)
-    if request.streaming and tasks % groups:
+    if tasks % groups:
         msg = (
             f"parallel_generation_tasks ({tasks}) is not a multiple of num_groups "
             f"({groups}); {tasks % groups} generation task(s) will be unused"
