@@ -292,8 +292,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     ``num_evictions`` when present. See ``docs/backends.md``.
     """
 
-    base_url: tuple[str, ...] = attrs.field(converter=_to_base_urls, repr=_repr_urls)
-    model: str = attrs.field(validator=_check_model)
+    base_url: tuple[str, ...] = attrs.field(converter=_to_base_urls, repr=_repr_urls, kw_only=False)
+    model: str = attrs.field(validator=_check_model, kw_only=False)
     api_key: str | None = attrs.field(
         factory=_api_key_from_environment, validator=_check_api_key, repr=_mask_api_key
     )
