@@ -16,7 +16,7 @@ import math
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from types import TracebackType
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import trio
 
@@ -245,11 +245,17 @@ class BlockingRolloutStream:
         return self._stream
 
 
-class _BlockingContext:
-    def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
-        self._stream = BlockingRolloutStream(agent, request)
+StreamT = TypeVar("StreamT", bound=BlockingRolloutStream)
 
-    def __enter__(self) -> BlockingRolloutStream:
+
+class _BlockingContext(Generic[StreamT]):
+    """Start a bridge's Trio thread on enter; stop and join it on exit, raising the
+    pipeline's failure unless the block is already leaving with its own exception."""
+
+    def __init__(self, stream: StreamT) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> StreamT:
         self._stream._start()
         return self._stream
 
@@ -285,4 +291,4 @@ def blocking_grouped_rollouts(
     if not isinstance(agent, GroupedRolloutGenerator):
         msg = f"agent must be a GroupedRolloutGenerator, got {type(agent).__name__}"
         raise TypeError(msg)
-    return _BlockingContext(agent, request)
+    return _BlockingContext(BlockingRolloutStream(agent, request))

@@ -42,7 +42,6 @@ import re
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import attrs
@@ -56,11 +55,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without ray
     raise ImportError(msg) from exc
 
 from ._agents import GroupedRolloutGenerator
-from ._blocking import BlockingRolloutStream, _check_timeout
+from ._blocking import BlockingRolloutStream, _BlockingContext, _check_timeout
 from ._concurrency import flatten_exception_groups
 from ._models import GroupedRolloutRequest, RolloutGroup
 from ._pipeline import check_grouped_request
-from ._stream import EnvironmentStatistics, RolloutStream, RolloutStreamStatistics
+from ._stream import EnvironmentStatistics, RolloutStream, RolloutStreamStatistics, drain_ready
 
 __all__ = [
     "BlockingRayRolloutStream",
@@ -837,16 +836,7 @@ class RayRolloutStream:
     def drain(self, n: int) -> list[RolloutGroup]:
         """Take up to ``n`` groups that are in the merge now; never blocks. Not a
         checkpoint."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            msg = f"drain(n) needs an int n >= 0, got {n!r}"
-            raise ValueError(msg)
-        groups: list[RolloutGroup] = []
-        while len(groups) < n:
-            group = self.try_next()
-            if group is None:
-                break
-            groups.append(group)
-        return groups
+        return drain_ready(self.try_next, n)
 
     def __aiter__(self) -> RayRolloutStream:
         return self
@@ -1088,25 +1078,6 @@ class BlockingRayRolloutStream(BlockingRolloutStream):
         return self._merged().actor_info
 
 
-class _BlockingRayContext:
-    def __init__(self, stream: BlockingRayRolloutStream) -> None:
-        self._stream = stream
-
-    def __enter__(self) -> BlockingRayRolloutStream:
-        self._stream._start()
-        return self._stream
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stream._stop()
-        if exc is None:
-            self._stream._raise_failure()
-
-
 def blocking_ray_rollouts(
     agent: AgentSource,
     request: RequestSource,
@@ -1138,4 +1109,4 @@ def blocking_ray_rollouts(
         start_timeout=start_timeout,
         stop_timeout=stop_timeout,
     )
-    return _BlockingRayContext(BlockingRayRolloutStream(open_stream))
+    return _BlockingContext(BlockingRayRolloutStream(open_stream))

@@ -10,6 +10,7 @@ group of an outstanding one.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
     from ._pipeline import _Pipeline
 
 __all__ = ["EnvironmentStatistics", "RolloutStream", "RolloutStreamStatistics"]
+
+
+def drain_ready(try_next: Callable[[], RolloutGroup | None], n: int) -> list[RolloutGroup]:
+    """Up to ``n`` groups from ``try_next`` until it has nothing ready (every stream's
+    ``drain``)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        msg = f"drain(n) needs an int n >= 0, got {n!r}"
+        raise ValueError(msg)
+    groups: list[RolloutGroup] = []
+    while len(groups) < n and (group := try_next()) is not None:
+        groups.append(group)
+    return groups
 
 
 @attrs.frozen(kw_only=True)
@@ -235,16 +248,7 @@ class RolloutStream:
 
         Not a checkpoint.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            msg = f"drain(n) needs an int n >= 0, got {n!r}"
-            raise ValueError(msg)
-        groups: list[RolloutGroup] = []
-        while len(groups) < n:
-            group = self.try_next()
-            if group is None:
-                break
-            groups.append(group)
-        return groups
+        return drain_ready(self.try_next, n)
 
     def __aiter__(self) -> RolloutStream:
         return self
