@@ -73,12 +73,14 @@ def scenario(script: str, name: str, uvloop: bool) -> dict[str, object]:
         module.main()
     line = out.getvalue().strip()
     found = re.search(r"seconds=([0-9.]+)", line)
-    if found is None or len(clock.cpu) != 2:
+    # The script reads the clock at the start, maybe when the M-th group arrives, and
+    # after its exit; its "seconds" spans the first and the last read.
+    if found is None or len(clock.cpu) < 2:
         msg = f"unexpected run of the origin's script: {line!r}, {len(clock.cpu)} clock reads"
         raise RuntimeError(msg)
     return {
         "seconds": float(found.group(1)),
-        "cpu_seconds": clock.cpu[1] - clock.cpu[0],
+        "cpu_seconds": clock.cpu[-1] - clock.cpu[0],
         "line": line,
     }
 

@@ -11,6 +11,9 @@ that machine noise hits both; the table shows the median of the runs):
 - s2: as s1 with ``num_groups=8, enforce_order=True``.
 - s3: as s1 with ``P=256`` and a latency uniform in 25-75 ms; 5,000 groups. Reported as
   utilization ``(M * 50 ms / P) / wall``.
+- s1p: s1 under a non-trivial failure policy (``group_timeout=60``, ``max_attempts=3``)
+  with nothing failing: what deadlines and retries cost when they are not needed. Ours
+  only, reported beside our s1 of the same run (goal: at least 0.8x).
 
 Wall time runs from before entering ``async with agent.get_grouped_rollouts(request)``
 until after leaving it (the origin's script likewise times its ``aclose()``). The origin
@@ -74,6 +77,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "s2": {"M": 20_000, "G": 8, "P": 512, "L": 0.0, "order": True},
     "s3": {"M": 5_000, "G": 1, "P": 256, "L": 0.05, "order": False},
 }
+#: Scenarios of ours alone, each compared with one of ours above: name -> (base, goal).
+OURS_ONLY: dict[str, dict[str, Any]] = {
+    "s1p": {**SCENARIOS["s1"], "policy": True, "base": "s1", "goal": 0.8},
+}
+SCENARIOS.update(OURS_ONLY)
+#: The failure policy of the s1p scenario: a deadline and retries, nothing failing.
+BUSY_POLICY = tr.FailurePolicy(group_timeout=60.0, max_attempts=3)
 BUFFER_SIZE = 10
 STALL_TAKE = 100
 SHUTDOWN_P = 512
@@ -173,7 +183,10 @@ class NeverEndingAgent(tr.GroupedRolloutGenerator):
 async def measure_scenario(name: str) -> dict[str, Any]:
     sc = SCENARIOS[name]
     agent = PrebuiltAgent(
-        parallel_generation_tasks=sc["P"], buffer_size=BUFFER_SIZE, latency=sc["L"]
+        parallel_generation_tasks=sc["P"],
+        buffer_size=BUFFER_SIZE,
+        latency=sc["L"],
+        failure_policy=BUSY_POLICY if sc.get("policy") else tr.FailurePolicy(),
     )
     request = tr.GroupedRolloutRequest(
         num_groups=sc["G"],
@@ -514,6 +527,8 @@ def run_throughput(report: Report, names: list[str], runs: int, attempts: int, s
             # Rotate the order each round so that no variant always runs first or last.
             shift = r % len(variants)
             for label, run in variants[shift:] + variants[:shift]:
+                if name in OURS_ONLY and label != "ours":
+                    continue
                 result = quietest(functools.partial(run, name), attempts)
                 result["value"] = metric(name, result["seconds"])
                 result["per_cpu_second"] = SCENARIOS[name]["M"] / result["cpu_seconds"]
@@ -530,6 +545,8 @@ def run_throughput(report: Report, names: list[str], runs: int, attempts: int, s
     rows = []
     cpu_rows = []
     for name in names:
+        if name in OURS_ONLY:
+            continue
         ours, seed_asyncio, seed_uvloop = (
             median(name, v, "per_cpu_second") for v in ("ours", "seed asyncio", "seed uvloop")
         )
@@ -573,6 +590,31 @@ def run_throughput(report: Report, names: list[str], runs: int, attempts: int, s
         ["scenario", "ours", "seed asyncio", "seed uvloop", "ours / seed uvloop"],
         cpu_rows,
     )
+    own_rows = []
+    for name in names:
+        sc = OURS_ONLY.get(name)
+        if sc is None:
+            continue
+        base = sc["base"]
+        ours, plain = median(name, "ours"), median(base, "ours") if base in raw else None
+        ratio = ours / plain if ours is not None and plain else None
+        own_rows.append(
+            [
+                f"{name} (groups/s)",
+                fmt(name, ours) if ours is not None else "n/a",
+                f"{base}: " + (fmt(base, plain) if plain is not None else "not run"),
+                "n/a" if ratio is None else f"{ratio:.3f}x",
+                f">= {sc['goal']}x",
+                "n/a" if ratio is None else ("yes" if ratio >= sc["goal"] else "NO"),
+            ]
+        )
+    if own_rows:
+        report.table(
+            f"Ours beside ours: the failure policy's path (group_timeout=60, max_attempts=3, "
+            f"nothing failing) against the plain path, median of {runs} run(s)",
+            ["scenario", "ours", "plain path", "ratio", "goal", "met"],
+            own_rows,
+        )
     return raw
 
 
@@ -726,7 +768,7 @@ def run_shutdown(report: Report, runs: int, attempts: int, seed: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one run each, a 2 s stall")
-    parser.add_argument("--scenarios", default="s1,s2,s3", help="comma-separated, e.g. s1,s3")
+    parser.add_argument("--scenarios", default="s1,s2,s3,s1p", help="comma-separated, e.g. s1,s3")
     parser.add_argument(
         "--runs", type=int, help="runs per scenario and library (default 5; 1 with --quick)"
     )

@@ -14,9 +14,32 @@ from typing import TypeVar
 
 import trio
 
-__all__ = ["flatten_exception_groups", "gather"]
+__all__ = ["describe_error", "flatten_exception_groups", "gather", "real_leaves"]
 
 T = TypeVar("T")
+
+
+def real_leaves(exc: BaseException) -> list[BaseException]:
+    """The failures inside ``exc``: the leaves of its exception groups, however deeply
+    nested (``exc`` itself when it is not a group), without ``trio.Cancelled`` leaves,
+    which are consequences of a failure or of a shutdown, never failures themselves."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in real_leaves(sub)]
+    return [] if isinstance(exc, trio.Cancelled) else [exc]
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: message"`` of the failure inside ``exc``; several failures are listed,
+    so a wrapper such as ``ExceptionGroup: Exceptions from Trio nursery`` never hides
+    what happened."""
+    leaves = real_leaves(exc) or [exc]
+    text = "; ".join(_one(leaf) for leaf in leaves)
+    return text if len(leaves) == 1 else f"{len(leaves)} errors: {text}"
+
+
+def _one(exc: BaseException) -> str:
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _leaves(

@@ -4,9 +4,11 @@ A :class:`FailurePolicy` is a declaration; ``_pipeline.py`` carries it out. A gr
 attempt fails when ``group_rollout`` raises or runs past ``group_timeout``
 (:class:`GroupTimeoutError`). A *transient* failure (``retry_on``) is retried in the same
 slot with exponential backoff and jitter (stamina), up to ``max_attempts`` attempts in
-all. What is left after retries either reaches the consumer (``on_failure="raise"``) or
-is skipped (``"skip"``): the slot is generated afresh, and a skipped group never reaches
-the consumer, as a zero-reward row or otherwise. More than ``skip_budget`` skipped groups
+all; an exception group counts as transient when every failure inside it is (see
+:meth:`FailurePolicy.is_transient`). What is left after retries either reaches the
+consumer (``on_failure="raise"``) or is skipped (``"skip"``): the slot is generated
+afresh, and a skipped group never reaches the consumer, as a zero-reward row or
+otherwise. More than ``skip_budget`` skipped groups
 raise :class:`FailureBudgetExceededError` with the count and the last error.
 """
 
@@ -18,6 +20,7 @@ from typing import Any, Literal
 import attrs
 
 from ._checks import int_at_least as _int_at_least
+from ._concurrency import real_leaves
 from .inference._errors import TRANSIENT_ERRORS
 
 __all__ = [
@@ -108,9 +111,16 @@ class FailurePolicy:
     on_failure: Literal["raise", "skip"] = attrs.field(default="raise", validator=_check_on_failure)
     skip_budget: int = attrs.field(default=100, validator=_int_at_least(0))
 
-    def is_transient(self, exc: Exception) -> bool:
-        """Whether ``exc`` is worth another attempt."""
-        return isinstance(exc, self.retry_on)
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is worth another attempt: it is one of ``retry_on``, or it is
+        an exception group (an agent that samples in its own nursery raises one) whose
+        every leaf, at any depth, is one of ``retry_on`` or ``trio.Cancelled``, with at
+        least one that is not ``Cancelled``. A group mixing a transient and another
+        error is not transient."""
+        if not isinstance(exc, BaseExceptionGroup):
+            return isinstance(exc, self.retry_on)
+        leaves = real_leaves(exc)
+        return bool(leaves) and all(isinstance(leaf, self.retry_on) for leaf in leaves)
 
     @property
     def is_trivial(self) -> bool:

@@ -29,13 +29,23 @@ Invariants (each one is a test):
    channels (synchronously, so closing cannot be interrupted); when ``__aexit__``
    returns, no task the pipeline started is alive.
 7. The ledger: every started call ends delivered, filtered, retried, skipped, raised or
-   cancelled, or is still in flight or pending; ``statistics().unaccounted`` is 0 at
-   every instant and after every exit.
+   cancelled, or is still in flight, waiting to be retried, or pending;
+   ``statistics().unaccounted`` is 0 at every instant and after every exit. A counter
+   counts what happened: a failure is retried when its next attempt starts.
 
 Workers are a fixed set of tasks (``W * G`` of them): a task per group or per batch would
 cost about twice the throughput in Trio. Idle workers park on a ``ParkingLot`` and are
 woken when the consumer's take submits a new batch, so submission costs no task either.
 Ordering (``enforce_order``) happens in the stream, where groups are taken.
+
+Failures (see ``_failure.py``). Without filtering or mixing, a worker makes a slot's
+first attempt itself (the *fast path*); everything else goes through
+``accepted_group``. A first attempt runs outside stamina, which is entered only after a
+transient failure. Its ``group_timeout`` is enforced by one watchdog task rather than by
+a cancel scope per call: each worker runs inside a long-lived *timer* scope, notes when
+its call started, and the watchdog cancels the timer of a call that comes due. The
+worker then leaves that timer, books a :class:`GroupTimeoutError`, and goes on in a new
+one. Retries, and attempts on the slow path, get a cancel scope each.
 """
 
 from __future__ import annotations
@@ -50,7 +60,7 @@ from typing import TYPE_CHECKING
 import stamina
 import trio
 
-from ._concurrency import flatten_exception_groups
+from ._concurrency import describe_error, flatten_exception_groups, real_leaves
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._stream import RolloutStream
@@ -118,6 +128,11 @@ def _is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
+#: What a worker was doing when the watchdog cancelled its timer: the slot, and the
+#: call's result or (when the flag is true) its failure, already booked.
+_Resume = tuple[int, int, object, bool]
+
+
 class EnvironmentCounters:
     """Per-environment counters of a multi-task pipeline (see EnvironmentStatistics)."""
 
@@ -160,8 +175,19 @@ class _Pipeline:
         self.consecutive_filtered = 0
         self.policy = agent.failure_policy
         self.policy_is_trivial = self.policy.is_trivial
-        self.plain = self.policy_is_trivial and not self.filtering and self.env_of_slot is None
+        # The fast path: the first attempt inlined in the worker (see work).
+        self.fast = not self.filtering and self.env_of_slot is None
         self.group_timeout = self.policy.group_timeout
+        self.may_retry = self.policy.max_attempts > 1
+        self.skipping = self.policy.on_failure == "skip"
+        # Deadlines of the fast path's first attempts: each worker's loop runs in a
+        # timer (a cancel scope) that the watchdog cancels when the call it is making
+        # has run for group_timeout; call_started holds when that call started (inf
+        # when the worker is not making one).
+        self.timed = self.fast and self.group_timeout is not None
+        workers = self.worker_count()
+        self.timers: list[trio.CancelScope] = [trio.CancelScope() for _ in range(workers)]
+        self.call_started: list[float] = [math.inf] * workers
         # Wake-up accounting (see wake_workers): workers that are runnable and will look
         # for a free slot before they next block.
         self.coming_to_claim = 0
@@ -177,6 +203,8 @@ class _Pipeline:
         self.retries = 0
         self.timeouts = 0
         self.skipped = 0
+        self.raised = 0
+        self.waiting_to_retry = 0
         self.cancelled = 0
         # Accepted groups the consumer has not taken (buffered, in a sender's hands, handed
         # to a consumer that has not run yet, or reordering): the ledger's "pending".
@@ -228,36 +256,93 @@ class _Pipeline:
 
     # ---------------------------------------------------------------- workers
 
-    async def worker(self) -> None:
+    async def worker(self, number: int) -> None:
+        """Worker ``number``'s life: its loop runs inside its timer (see ``watchdog``),
+        and starts again in a new timer each time the watchdog has cancelled one."""
+        resume: _Resume | None = None
         while True:
-            # A worker released from send during shutdown must not start a new call
-            # (this does not yield unless cancelled).
-            await trio.lowlevel.checkpoint_if_cancelled()
-            if not self.free_slots:
-                if not self.streaming:
-                    return
-                await self.idle_workers.park()
-                self.coming_to_claim -= 1
-                continue
-            batch_id, index = self.free_slots.popleft()
-            self.wake_workers()
-            if self.plain:
-                # The common case (no filtering, the default failure policy, one
-                # environment): one call, inlined, since every coroutine layer between
-                # the worker and group_rollout costs on each resume.
-                self.started += 1
-                self.in_flight += 1
-                try:
-                    result = await self.generate(batch_id, index)
-                except BaseException as exc:
-                    self.in_flight -= 1
-                    self.call_raised(exc, None)
-                    raise
-                self.in_flight -= 1
-                self.completed += 1
-                group = self.checked_group(result, batch_id, index, None)
+            timer = self.timers[number] = trio.CancelScope()
+            with timer:
+                resume = await self.work(number, timer, resume)
+            if resume is None:
+                return
+
+    async def work(
+        self, number: int, timer: trio.CancelScope, resume: _Resume | None
+    ) -> _Resume | None:
+        """Claim slots, generate their groups and hand them over, until there is nothing
+        left to claim (``None``) or the watchdog cancelled ``timer`` (what the worker
+        was doing when it did, to be finished in a new timer)."""
+        while True:
+            if resume is not None:
+                batch_id, index, outcome, failed = resume
+                resume = None
+                if failed:
+                    group = await self.after_failure(batch_id, index, outcome)  # type: ignore[arg-type]
+                else:
+                    group = self.checked_group(outcome, batch_id, index, None)
             else:
-                group = await self.accepted_group(batch_id, index)
+                # A worker released from send during shutdown must not start a new call
+                # (this does not yield unless cancelled).
+                await trio.lowlevel.checkpoint_if_cancelled()
+                if not self.free_slots:
+                    if not self.streaming:
+                        return None
+                    await self.idle_workers.park()
+                    self.coming_to_claim -= 1
+                    continue
+                batch_id, index = self.free_slots.popleft()
+                self.wake_workers()
+                if not self.fast:
+                    group = await self.accepted_group(batch_id, index)
+                else:
+                    # The common case (no filtering, one environment): the first attempt
+                    # inlined, since every coroutine layer between the worker and
+                    # group_rollout costs on each resume, and timed by the watchdog
+                    # rather than by a cancel scope of its own, which costs more than
+                    # the rest of a group's trip through the pipeline.
+                    self.started += 1
+                    self.in_flight += 1
+                    if self.timed:
+                        self.call_started[number] = trio.current_time()
+                    failure: BaseException | None = None
+                    try:
+                        result = await self.generate(batch_id, index)
+                    except BaseException as exc:
+                        self.in_flight -= 1
+                        if self.timed:
+                            self.call_started[number] = math.inf
+                        if timer.cancel_called:
+                            # The watchdog's deadline: leave the timer before anything
+                            # that could checkpoint, and go on in a new one.
+                            outcome = (
+                                self.timeout_error(batch_id, index)
+                                if _is_cancellation(exc)
+                                else exc
+                            )
+                            self.call_raised(outcome, None)
+                            return (batch_id, index, outcome, True)
+                        if not self.call_raised(exc, None):
+                            raise  # cancelled at shutdown
+                        failure = exc
+                    else:
+                        self.in_flight -= 1
+                        if self.timed and self.overdue(number, timer):
+                            # Returned at or after its deadline: a timeout, as under a
+                            # cancel scope of its own (see attempt).
+                            failure = self.timeout_error(batch_id, index)
+                            self.call_raised(failure, None)
+                            if timer.cancel_called:
+                                return (batch_id, index, failure, True)
+                        else:
+                            self.completed += 1
+                    if failure is None:
+                        group = self.checked_group(result, batch_id, index, None)
+                    else:
+                        # Outside the except block, so that a later failure is not
+                        # chained to this one.
+                        group = await self.after_failure(batch_id, index, failure)
+                        del failure
             self.untaken += 1
             if self.blocked_senders > self.woken_senders:
                 full = True  # senders already wait: the buffer has no room
@@ -288,23 +373,87 @@ class _Pipeline:
                 if self.groups_left_to_send == 0:
                     self.send_channel.close()
 
+    def overdue(self, number: int, timer: trio.CancelScope) -> bool:
+        """Whether worker ``number``'s call, which just returned, ran into its deadline
+        (and end its timing)."""
+        due = self.call_started[number] + self.group_timeout  # type: ignore[operator]
+        self.call_started[number] = math.inf
+        return timer.cancel_called or trio.current_time() >= due
+
+    async def watchdog(self) -> None:
+        """Enforce ``group_timeout`` on the first attempts of the fast path: cancel the
+        timer of every worker whose call has run for ``group_timeout`` seconds.
+
+        A cancel scope per call would cost more than the rest of a group's trip through
+        the pipeline; this costs a clock read per call and one scan of the workers per
+        deadline that comes due (at least one per ``group_timeout`` seconds). A worker
+        whose timer was cancelled leaves it at once and books the call as a
+        :class:`GroupTimeoutError`, as ``attempt`` does under its own deadline.
+        """
+        timeout = self.group_timeout
+        if timeout is None:  # pragma: no cover - started only with a deadline
+            return
+        started = self.call_started
+        while True:
+            now = trio.current_time()
+            wake = now + timeout
+            for number, start in enumerate(started):
+                due = start + timeout
+                if due <= now:
+                    started[number] = math.inf
+                    self.timers[number].cancel()
+                elif due < wake:
+                    wake = due
+            await trio.sleep_until(wake)
+
+    async def after_failure(
+        self, batch_id: int, index: int, failure: BaseException
+    ) -> RolloutGroup:
+        """The slow path of a slot whose first attempt failed (booked as failed already):
+        retry it, skip it or raise, as the policy says."""
+        if not isinstance(failure, Exception):
+            self.raised += 1
+            raise failure
+        try:
+            if not self.may_retry or not self.policy.is_transient(failure):
+                raise failure
+            result = await self.retried(failure, batch_id, index, None)
+        except Exception as exc:
+            if not self.skipping:
+                self.raised += 1
+                raise
+            self.skip(exc, batch_id, index)
+        else:
+            return self.checked_group(result, batch_id, index, None)
+        # A loop of instantly failing calls must stay cancellable.
+        await trio.lowlevel.checkpoint()
+        return await self.accepted_group(batch_id, index)
+
+    def timeout_error(self, batch_id: int, index: int) -> GroupTimeoutError:
+        msg = (
+            f"{self.where(batch_id, index)} took longer than group_timeout="
+            f"{self.group_timeout} s and was cancelled"
+        )
+        return GroupTimeoutError(msg)
+
     async def accepted_group(self, batch_id: int, index: int) -> RolloutGroup:
         """Generate the group of one slot: regenerate it while it is filtered or skipped,
         retry it while it fails transiently (see FailurePolicy)."""
         env = None if self.env_of_slot is None else self.env_counters_of(batch_id, index)
         while True:
-            if self.policy_is_trivial:
-                result = await self.attempt(batch_id, index, env)
-            else:
-                try:
-                    result = await self.attempt_with_retries(batch_id, index, env)
-                except Exception as exc:
-                    if self.policy.on_failure == "raise":
-                        raise
-                    self.skip(exc, batch_id, index)
-                    # A loop of instantly failing calls must stay cancellable.
-                    await trio.lowlevel.checkpoint()
-                    continue
+            try:
+                if self.policy_is_trivial:
+                    result = await self.attempt(batch_id, index, env)
+                else:
+                    result = await self.attempts(batch_id, index, env)
+            except Exception as exc:
+                if not self.skipping:
+                    self.raised += 1
+                    raise
+                self.skip(exc, batch_id, index)
+                # A loop of instantly failing calls must stay cancellable.
+                await trio.lowlevel.checkpoint()
+                continue
             group = self.checked_group(result, batch_id, index, env)
             if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
                 self.consecutive_filtered = 0
@@ -326,7 +475,13 @@ class _Pipeline:
             await trio.lowlevel.checkpoint()
 
     async def attempt(self, batch_id: int, index: int, env: EnvironmentCounters | None) -> object:
-        """One ``group_rollout`` call, under the group deadline if there is one."""
+        """One ``group_rollout`` call, under the group deadline if there is one.
+
+        A failure is booked as failed; what becomes of it (retried, skipped, raised) is
+        the caller's to book, except for a failure that is not an ``Exception`` (an
+        exception group holding ``Cancelled`` beside an error, at shutdown), which can
+        only propagate and is booked as raised here.
+        """
         self.started += 1
         self.in_flight += 1
         if env is not None:
@@ -337,52 +492,92 @@ class _Pipeline:
             else:
                 with trio.move_on_after(self.group_timeout) as deadline:
                     result = await self.generate(batch_id, index)
-                if deadline.cancelled_caught:
-                    msg = (
-                        f"{self.where(batch_id, index)} took longer than group_timeout="
-                        f"{self.group_timeout} s and was cancelled"
-                    )
-                    raise GroupTimeoutError(msg)
+                # A call still running at its deadline is cancelled, and one that
+                # returns at or after it (running without a checkpoint) is late too.
+                if deadline.cancelled_caught or trio.current_time() >= deadline.deadline:
+                    raise self.timeout_error(batch_id, index)
         except BaseException as exc:
-            self.call_raised(exc, env)
-            raise
-        finally:
             self.in_flight -= 1
+            if self.call_raised(exc, env) and not isinstance(exc, Exception):
+                self.raised += 1
+            raise
+        self.in_flight -= 1
         self.completed += 1
         return result
 
-    async def attempt_with_retries(
-        self, batch_id: int, index: int, env: EnvironmentCounters | None
+    async def attempts(self, batch_id: int, index: int, env: EnvironmentCounters | None) -> object:
+        """The attempts of one group until one succeeds or a failure is final.
+
+        The first attempt runs outside stamina, so a group that succeeds at once costs
+        no retry machinery; only a transient failure enters it (see ``retried``).
+        """
+        try:
+            return await self.attempt(batch_id, index, env)
+        except Exception as exc:
+            if not self.may_retry or not self.policy.is_transient(exc):
+                raise
+            first = exc
+        # Outside the except block, so that a later failure is not chained to the first.
+        return await self.retried(first, batch_id, index, env)
+
+    async def retried(
+        self, first: Exception, batch_id: int, index: int, env: EnvironmentCounters | None
     ) -> object:
-        """Attempts of one group until one succeeds or a failure is final."""
+        """Attempts 2, 3, ... of a group whose first attempt failed transiently with
+        ``first``.
+
+        ``first`` is replayed as stamina's first attempt, so stamina decides everything
+        from there exactly as if it had made that attempt: whether to retry at all
+        (``stamina.set_active``, ``stamina.set_testing``), the backoff and its jitter,
+        its instrumentation hooks. A failure counts as retried only when the next
+        attempt starts; while its backoff runs it is ``waiting_to_retry``, and if the
+        pipeline shuts down then, ``cancelled``.
+        """
         policy = self.policy
-        retrying = stamina.retry_context(
-            on=policy.is_transient,
-            attempts=policy.max_attempts,
-            timeout=None,
-            wait_initial=policy.wait_initial,
-            wait_max=policy.wait_max,
-            wait_jitter=policy.wait_jitter,
-        )
-        async for attempt in retrying:
-            with attempt:
-                try:
-                    return await self.attempt(batch_id, index, env)
-                except Exception as exc:
-                    if attempt.num < policy.max_attempts and policy.is_transient(exc):
-                        self.retries += 1
-                    raise
+        self.waiting_to_retry += 1
+        waiting = True
+        try:
+            async for attempt in stamina.retry_context(
+                on=policy.is_transient,
+                attempts=policy.max_attempts,
+                timeout=None,
+                wait_initial=policy.wait_initial,
+                wait_max=policy.wait_max,
+                wait_jitter=policy.wait_jitter,
+            ):
+                with attempt:
+                    if attempt.num == 1:
+                        raise first
+                    waiting = False
+                    self.waiting_to_retry -= 1
+                    self.retries += 1
+                    try:
+                        return await self.attempt(batch_id, index, env)
+                    except Exception:
+                        waiting = True
+                        self.waiting_to_retry += 1
+                        raise
+        except BaseException as exc:
+            if waiting and not isinstance(exc, Exception):
+                # Cancelled while waiting out the backoff: the slot is abandoned at
+                # shutdown, as a call in flight would be.
+                self.cancelled += 1
+            raise
+        finally:
+            if waiting:
+                self.waiting_to_retry -= 1
         msg = "stamina ended the attempts without a result or an error"  # pragma: no cover
         raise RuntimeError(msg)  # pragma: no cover
 
-    def call_raised(self, exc: BaseException, env: EnvironmentCounters | None) -> None:
-        """Book a call that raised: cancelled at shutdown, or failed."""
+    def call_raised(self, exc: BaseException, env: EnvironmentCounters | None) -> bool:
+        """Book a call that raised: cancelled at shutdown, or failed (returns True)."""
         if _is_cancellation(exc):
             self.cancelled += 1
-            return
+            return False
         self.count_failure(exc, env)
         if isinstance(exc, GroupTimeoutError):
             self.timeouts += 1
+        return True
 
     def checked_group(
         self, result: object, batch_id: int, index: int, env: EnvironmentCounters | None
@@ -392,24 +587,28 @@ class _Pipeline:
             return self.make_group(result, batch_id, index)
         except Exception as exc:
             self.count_failure(exc, env)
+            self.raised += 1  # a broken contract is never retried or skipped
             raise
 
     def count_failure(self, exc: BaseException, env: EnvironmentCounters | None) -> None:
         self.failed += 1
         if env is not None:
             env.failed += 1
-        self.last_errors.append(f"{type(exc).__name__}: {exc}")
+        self.last_errors.append(describe_error(exc))
 
     def skip(self, exc: Exception, batch_id: int, index: int) -> None:
         """Give up on the slot's current group (on_failure="skip"); it is generated anew."""
         self.skipped += 1
         if self.skipped > self.policy.skip_budget:
+            # The failure itself, not the exception groups of the agent's nurseries.
+            leaves = real_leaves(exc)
+            last = leaves[0] if len(leaves) == 1 else exc
             msg = (
                 f"{self.skipped} groups failed and were skipped, more than skip_budget="
                 f"{self.policy.skip_budget}; last error, at {self.where(batch_id, index)}: "
-                f"{type(exc).__name__}: {exc}"
+                f"{describe_error(exc)}"
             )
-            raise FailureBudgetExceededError(msg, skipped=self.skipped, last_error=exc) from exc
+            raise FailureBudgetExceededError(msg, skipped=self.skipped, last_error=last) from last
 
     def make_group(self, result: object, batch_id: int, index: int) -> RolloutGroup:
         """Check what ``group_rollout`` returned and wrap it in its slot's RolloutGroup."""
@@ -471,8 +670,10 @@ async def open_grouped_rollouts(
             async with trio.open_nursery() as nursery:
                 for _ in range(pipeline.max_outstanding if request.streaming else 1):
                     pipeline.submit_batch()
-                for _ in range(pipeline.worker_count()):
-                    nursery.start_soon(pipeline.worker)
+                for number in range(pipeline.worker_count()):
+                    nursery.start_soon(pipeline.worker, number)
+                if pipeline.timed:
+                    nursery.start_soon(pipeline.watchdog)
                 try:
                     yield stream
                 except BaseException as exc:

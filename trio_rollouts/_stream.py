@@ -62,11 +62,18 @@ class RolloutStreamStatistics:
       until their batch is next and complete.
     - ``failed``: calls that raised or broke the group contract (timeouts included;
       cancellations at shutdown are not failures).
-    - ``retries``: failed calls that were retried in their slot.
+    - ``retries``: failed calls that were retried in their slot, counted when the next
+      attempt starts (never when a retry was merely expected).
+    - ``waiting_to_retry``: failed calls whose slot waits out a backoff before the next
+      attempt; each ends as retried, or, when no attempt follows, as skipped, raised or
+      cancelled.
     - ``timeouts``: failed calls that ran past ``group_timeout``.
     - ``skipped``: failed calls whose group was given up (``on_failure="skip"``).
-    - ``cancelled``: calls cancelled in flight at shutdown, and finished groups that
-      nobody took before the stream closed.
+    - ``raised``: failed calls whose error left the pipeline (neither retried nor
+      skipped).
+    - ``cancelled``: calls cancelled in flight at shutdown, failed calls whose retry was
+      cancelled at shutdown, and finished groups that nobody took before the stream
+      closed.
     - ``pending``: finished groups not yet taken (buffered, waiting to enter the buffer,
       or reordering).
     - ``last_errors``: the most recent failures, as ``"Type: message"``.
@@ -87,6 +94,8 @@ class RolloutStreamStatistics:
     retries: int = 0
     timeouts: int = 0
     skipped: int = 0
+    raised: int = 0
+    waiting_to_retry: int = 0
     cancelled: int = 0
     pending: int = 0
     last_errors: tuple[str, ...] = ()
@@ -99,14 +108,10 @@ class RolloutStreamStatistics:
         return self.started
 
     @property
-    def raised(self) -> int:
-        """Failed calls whose error went to the consumer (neither retried nor skipped)."""
-        return self.failed - self.retries - self.skipped
-
-    @property
     def unaccounted(self) -> int:
         """The ledger's remainder, which is always 0 (every started call is delivered,
-        filtered, retried, skipped, raised, cancelled, still in flight, or pending)."""
+        filtered, retried, skipped, raised, cancelled, still in flight, waiting to
+        retry, or pending)."""
         return self.started - (
             self.delivered
             + self.filtered
@@ -115,6 +120,7 @@ class RolloutStreamStatistics:
             + self.raised
             + self.cancelled
             + self.in_flight
+            + self.waiting_to_retry
             + self.pending
         )
 
@@ -283,6 +289,8 @@ class RolloutStream:
             retries=p.retries,
             timeouts=p.timeouts,
             skipped=p.skipped,
+            raised=p.raised,
+            waiting_to_retry=p.waiting_to_retry,
             cancelled=p.cancelled,
             pending=p.untaken,
             last_errors=tuple(p.last_errors),
