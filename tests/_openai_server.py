@@ -5,7 +5,14 @@ in a thread with its own Trio loop for synchronous tests (:func:`serving_in_thre
 A :class:`FakeOpenAIServer` records every request it receives and answers from a script
 of :class:`Reply` objects, then with a default reply in the style of vLLM: the
 completion is ``"<name>: <last message>"``, with token ids and log-probabilities when the
-request asks for them (``return_token_ids``, ``logprobs``). Nothing here is a mock of the
+request asks for them (``return_token_ids``, ``logprobs``), and a ``usage`` object.
+
+Its ``unknown_fields`` setting makes it a server that knows only ``known_fields`` and
+refuses any other request field before answering, the way real strict servers do:
+``"transformers"`` with ``transformers serve``'s 422 (``{"detail": "Unexpected fields in
+the request: {'return_token_ids'}"}``), ``"openai"`` with api.openai.com's 400
+(``Unrecognized request argument supplied: return_token_ids``). Such a server returns
+token ids or logprobs only for the fields it knows. Nothing here is a mock of the
 client: the backend under test speaks real HTTP over loopback.
 """
 
@@ -16,7 +23,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import trio
@@ -29,6 +36,11 @@ from starlette.routing import Route
 
 #: Prompt-token log-probability the default reply reports for every generated token.
 DEFAULT_LOGPROB = -0.5
+
+#: The request fields of the core OpenAI API that the backend may send.
+CORE_FIELDS = frozenset(
+    {"model", "messages", "prompt", "tools", "temperature", "top_p", "max_tokens", "stream"}
+)
 
 
 @attrs.define(kw_only=True)
@@ -69,6 +81,12 @@ class FakeOpenAIServer:
     in_flight: int = 0
     max_in_flight: int = 0
     base_url: str = ""
+    #: ``None``: accept every field (vLLM). Else refuse fields outside ``known_fields``
+    #: like ``transformers serve`` (422) or api.openai.com (400).
+    unknown_fields: Literal["transformers", "openai"] | None = None
+    known_fields: frozenset[str] = CORE_FIELDS
+    #: When set, every request waits for this event before it is answered.
+    gate: trio.Event | None = None
     _changed: trio.Event = attrs.field(factory=trio.Event)
 
     def reply(self, *replies: Reply) -> None:
@@ -103,6 +121,8 @@ class FakeOpenAIServer:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
+            if self.gate is not None:
+                await self.gate.wait()
             await trio.sleep(reply.delay)
         finally:
             self.in_flight -= 1
@@ -111,10 +131,28 @@ class FakeOpenAIServer:
             message = f"Incorrect API key provided: {given.removeprefix('Bearer ')}"
             error = {"error": {"message": message, "type": "invalid_request_error"}}
             return JSONResponse(error, status_code=401)
+        refusal = self._refusal(body)
+        if refusal is not None:
+            return refusal
         if reply.text is not None:
             return Response(reply.text, status_code=reply.status, headers=reply.headers)
         payload = reply.json if reply.json is not None else self._completion(request, body, reply)
         return JSONResponse(payload, status_code=reply.status, headers=reply.headers)
+
+    def _refusal(self, body: dict[str, Any]) -> Response | None:
+        if self.unknown_fields is None:
+            return None
+        unknown = sorted(body.keys() - self.known_fields)
+        if not unknown:
+            return None
+        if self.unknown_fields == "transformers":
+            listed = "{" + ", ".join(repr(field) for field in unknown) + "}"
+            detail = f"Unexpected fields in the request: {listed}"
+            return JSONResponse({"detail": detail}, status_code=422)
+        noun = "argument" if len(unknown) == 1 else "arguments"
+        message = f"Unrecognized request {noun} supplied: {', '.join(unknown)}"
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+        return JSONResponse({"error": error}, status_code=400)
 
     def _completion(self, request: Request, body: dict[str, Any], reply: Reply) -> Any:
         chat = request.url.path.endswith("/chat/completions")
@@ -126,7 +164,12 @@ class FakeOpenAIServer:
             prompt_ids = [ord(c) for c in body["prompt"]]
         text = f"{self.name}: {last}"
         choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
-        top: dict[str, Any] = {"id": "cmpl-test", "model": body.get("model"), "usage": {}}
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(text),
+            "total_tokens": len(prompt_ids) + len(text),
+        }
+        top: dict[str, Any] = {"id": "cmpl-test", "model": body.get("model"), "usage": usage}
         if chat:
             top["object"] = "chat.completion"
             choice["message"] = {"role": "assistant", "content": text}

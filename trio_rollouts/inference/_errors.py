@@ -2,10 +2,10 @@
 
 Each error says which URL failed, with which HTTP status and what the server said, so a
 log line is enough to act on. :data:`TRANSIENT_ERRORS` lists the ones worth retrying
-(connection failures, timeouts, 408, 409, 429, 5xx); the HTTP backend retries exactly
-these, and callers that add their own retry layer should use the same tuple. No error
-ever carries the API key: the backend redacts it from the server's message before the
-error is built.
+(connection failures, timeouts, 408, 409, 429, 5xx other than 501 and 505); the HTTP
+backend retries exactly these, and callers that add their own retry layer should use the
+same tuple. No error ever carries the API key: the backend redacts it from the server's
+message before the error is built.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ __all__ = [
     "InferenceError",
     "InferenceTimeoutError",
     "MalformedResponseError",
+    "NotSupportedError",
     "RateLimitError",
     "ServerError",
+    "UnsupportedFieldError",
 ]
 
 
@@ -73,6 +75,36 @@ class BadRequestError(InferenceError):
     Not retried: sending it again would fail again."""
 
 
+class UnsupportedFieldError(BadRequestError):
+    """The server refused a request field that was asked for explicitly: a
+    ``return_token_ids=True`` or ``return_logprobs=True`` option, an ``extra_body`` key, or
+    a set ``GenerationArgs`` field (a 400 or 422 whose message names it). Not retried; the
+    message says which server refused which field and how to stop sending it.
+
+    Attributes:
+        fields: the refused request fields, sorted (``("return_token_ids",)``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fields: tuple[str, ...] = (),
+        url: str | None = None,
+        status: int | None = None,
+        server_message: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(
+            message,
+            url=url,
+            status=status,
+            server_message=server_message,
+            retry_after=retry_after,
+        )
+        self.fields = fields
+
+
 class ConflictError(InferenceError):
     """HTTP 409: the server could not serve the request now (e.g. a lock). Transient."""
 
@@ -82,7 +114,14 @@ class RateLimitError(InferenceError):
 
 
 class ServerError(InferenceError):
-    """HTTP 5xx: the server failed. Transient."""
+    """HTTP 5xx other than 501 and 505: the server failed. Transient."""
+
+
+class NotSupportedError(InferenceError):
+    """HTTP 501 Not Implemented or 505 HTTP Version Not Supported: the server does not
+    implement what the request asks (an endpoint, a feature). Not retried: asking again
+    gets the same answer. Not a :class:`ServerError`, so ``except ServerError`` and
+    :data:`TRANSIENT_ERRORS` leave it out."""
 
 
 class InferenceTimeoutError(InferenceError):

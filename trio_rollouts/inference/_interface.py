@@ -61,6 +61,10 @@ class InferenceResponse:
     - ``logprobs``: one log-probability per generated token (``ReturnsLogProbs``).
     - ``policy_epoch`` / ``kv_cache_epoch``: ``(start_token_index, epoch)`` boundaries the
       engine stamped while generating; ``num_evictions``: KV-cache evictions suffered.
+    - ``finish_reason``: why generation stopped (``"stop"``, ``"length"``, ...), if known.
+    - ``usage``: the server's token accounting as it sent it (an OpenAI-compatible
+      server's ``usage`` object: ``prompt_tokens``, ``completion_tokens``,
+      ``total_tokens``, ...), or ``None``. It is kept even when ``token_ids`` is not.
     """
 
     response: ChatMessage
@@ -72,6 +76,7 @@ class InferenceResponse:
     kv_cache_epoch: list[tuple[int, int]] = attrs.field(factory=list)
     num_evictions: int = 0
     finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
 
 
 def render_plain_chat(messages: list[ChatMessage]) -> str:

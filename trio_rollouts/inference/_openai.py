@@ -1,4 +1,5 @@
-"""The HTTP backend: any OpenAI-compatible server (vLLM, SGLang, Megatron, OpenAI) over httpx2.
+"""The HTTP backend: any OpenAI-compatible server (vLLM, SGLang, Megatron, OpenAI,
+``transformers serve``, llama.cpp, Ollama) over httpx2.
 
 :class:`OpenAIInference` is configuration only; everything mutable (the httpx2
 ``AsyncClient``, in-flight counts, the round-robin cursor) lives in a per-Trio-run state
@@ -11,15 +12,20 @@ goes to the least-loaded replica and is retried, through stamina, on
 :data:`TRANSIENT_ERRORS` only. httpx2 (not httpx 0.x with httpcore 1.x, which loses
 pool slots when Trio cancels a queued request) keeps cancellation from leaking
 connections: a cancelled request releases its slot before ``Cancelled`` propagates.
+What each replica accepts of the extension fields (token ids, log-probabilities) is
+negotiated per replica and remembered on the interface itself, across runs
+(:mod:`._negotiation`).
 """
 
 from __future__ import annotations
 
 import email.utils
 import functools
+import html
 import logging
 import math
 import os
+import re
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -41,8 +47,10 @@ from ._errors import (
     InferenceError,
     InferenceTimeoutError,
     MalformedResponseError,
+    NotSupportedError,
     RateLimitError,
     ServerError,
+    UnsupportedFieldError,
 )
 from ._interface import (
     InferenceInterface,
@@ -52,6 +60,7 @@ from ._interface import (
     ReturnsRaw,
     render_plain_chat,
 )
+from ._negotiation import NEGOTIABLE_FIELDS, Capabilities, named_fields, says_unknown
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -122,14 +131,18 @@ class RetryBackoff:
 @attrs.frozen(kw_only=True)
 class OpenAIStatistics:
     """Counters of one :class:`OpenAIInference` in the current Trio run, per replica
-    (in ``base_urls`` order, shown without credentials): attempts on the wire now
-    (``in_flight``), attempts sent (``attempts``), and retries made across all replicas
-    (``retries``)."""
+    (in ``base_urls`` order, shown without credentials): requests on the wire now
+    (``in_flight``), requests sent (``attempts``, counting a request sent again without
+    a refused field), and retries made across all replicas (``retries``). Also what
+    negotiation learned, per replica, over the interface's life (not only this run):
+    the request fields that replica refused and that are no longer sent to it
+    (``dropped_fields``, sorted)."""
 
     base_urls: tuple[str, ...]
     in_flight: tuple[int, ...]
     attempts: tuple[int, ...]
     retries: int
+    dropped_fields: tuple[tuple[str, ...], ...] = ()
 
 
 def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -218,6 +231,15 @@ def _check_extra_body(instance: object, attribute: attrs.Attribute[Any], value: 
         raise TypeError(msg)
 
 
+def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        msg = (
+            f"{attribute.name} must be None (ask, and stop asking a replica that refuses), "
+            f"True (ask, and fail if refused) or False (never ask), got {value!r:.80}"
+        )
+        raise TypeError(msg)
+
+
 # --------------------------------------------------------------------------- per-run state
 
 
@@ -256,8 +278,10 @@ async def _close_at_run_exit(state: _RunState) -> None:
 
 @attrs.frozen(kw_only=True, eq=False)
 class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
-    """An OpenAI-compatible HTTP server (vLLM, SGLang, Megatron, OpenAI) as an inference
-    interface. Frozen: it is configuration; what changes lives with each Trio run.
+    """An OpenAI-compatible HTTP server (vLLM, SGLang, Megatron, OpenAI, ``transformers
+    serve``, llama.cpp's server, Ollama) as an inference interface. Frozen: it is
+    configuration; what changes lives with each Trio run, except what negotiation learns
+    about the replicas (below), which the interface keeps for its whole life.
 
     - ``base_url``: the API root including ``/v1`` (as in the OpenAI SDK), or a list of
       them: replicas serving the same model. Each attempt goes to the replica with the
@@ -273,12 +297,28 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
       cancel scope around the call.
     - ``max_retries``: retries after the first attempt on :data:`TRANSIENT_ERRORS` only
       (:data:`DEFAULT_MAX_RETRIES`), waiting as ``backoff`` says.
-    - ``return_token_ids`` / ``return_logprobs``: ask for token ids (vLLM's
-      ``return_token_ids``) and log-probabilities (``logprobs``). Turn off for servers
-      that reject unknown fields (api.openai.com rejects ``return_token_ids``).
+    - ``return_token_ids`` / ``return_logprobs``: whether to ask for token ids (vLLM's
+      ``return_token_ids`` field) and log-probabilities (the ``logprobs`` field).
+
+      - ``None`` (the default): negotiate. The field is sent; when a replica refuses a
+        request with a 400 or 422 whose error names the field (``transformers serve``:
+        ``Unexpected fields in the request: {'return_token_ids'}``; api.openai.com:
+        ``Unrecognized request argument supplied: return_token_ids``), the field is
+        dropped for that replica, the same request is sent again at once without it
+        (not a retry: it neither uses ``max_retries`` nor counts in
+        ``statistics().retries``), and a warning naming the replica and the field is
+        logged once. The interface remembers it, across Trio runs (each sync
+        :meth:`generate` is one), so later requests to that replica never carry the
+        field and cost nothing extra. Servers that ignore unknown fields simply return
+        no token ids or logprobs: the response's fields stay ``None``.
+      - ``True``: strict. A refusal raises :class:`UnsupportedFieldError` (a
+        :class:`BadRequestError`) naming the server and the field.
+      - ``False``: never sent.
     - ``extra_body``: more top-level JSON fields for every request (e.g.
-      ``{"min_p": 0.05}``); they override the two flags above but never the model, the
-      prompt, the tools or a set generation argument.
+      ``{"min_p": 0.05}``); they override the two options above but never the model, the
+      prompt, the tools or a set generation argument. They are explicit, never
+      negotiated: a refusal naming one raises :class:`UnsupportedFieldError`, as does
+      one naming a set generation argument.
 
     Every set field of the request's ``GenerationArgs`` is forwarded as is
     (``temperature``, ``top_p``, ``max_tokens``, and ``top_k`` as a top-level key, which
@@ -287,9 +327,10 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     The response fills ``raw_text`` (the server's ``raw_text`` when it sends one, as
     Megatron's does; else the prompt sent to ``/completions``, or
     ``render_plain_chat(prompt)``, followed by the completion), ``token_ids`` and
-    ``prompt_length`` when the server returns prompt and generated ids, ``logprobs``,
-    ``finish_reason``, and Megatron's ``policy_epoch``, ``kv_cache_epoch`` and
-    ``num_evictions`` when present. See ``docs/backends.md``.
+    ``prompt_length`` when the server returns prompt and generated ids, ``logprobs``
+    (with or without token ids), ``finish_reason``, ``usage``, and Megatron's
+    ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` when present. See
+    ``docs/backends.md``.
     """
 
     base_url: tuple[str, ...] = attrs.field(converter=_to_base_urls, repr=_repr_urls, kw_only=False)
@@ -306,8 +347,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     backoff: RetryBackoff = attrs.field(
         factory=RetryBackoff, validator=attrs.validators.instance_of(RetryBackoff)
     )
-    return_token_ids: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    return_logprobs: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    return_token_ids: bool | None = attrs.field(default=None, validator=_check_ask)
+    return_logprobs: bool | None = attrs.field(default=None, validator=_check_ask)
     extra_body: dict[str, Any] = attrs.field(factory=dict, validator=_check_extra_body)
     render_prompt: Callable[[list[ChatMessage]], str] = attrs.field(
         default=render_plain_chat, validator=attrs.validators.is_callable(), repr=False
@@ -324,6 +365,14 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         init=False,
         repr=False,
         factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference"),
+    )
+    # What negotiation learned per replica: mutable, and deliberately not per run.
+    _capabilities: Capabilities = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(
+            lambda self: Capabilities.for_replicas(len(self.base_url)), takes_self=True
+        ),
     )
 
     @property
@@ -380,21 +429,27 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
 
     def statistics(self) -> OpenAIStatistics:
         """Counters for the current Trio run (zeros outside a run and before its first
-        request; restarted by :meth:`aclose`)."""
+        request; restarted by :meth:`aclose`), and the fields each replica refused."""
         try:
             state = self._run_state.get(None)
         except RuntimeError:  # outside a Trio run
             state = None
         n = len(self.base_url)
+        dropped = tuple(tuple(sorted(fields)) for fields in self._capabilities.dropped)
         if state is None:
             return OpenAIStatistics(
-                base_urls=self._shown_urls, in_flight=(0,) * n, attempts=(0,) * n, retries=0
+                base_urls=self._shown_urls,
+                in_flight=(0,) * n,
+                attempts=(0,) * n,
+                retries=0,
+                dropped_fields=dropped,
             )
         return OpenAIStatistics(
             base_urls=self._shown_urls,
             in_flight=tuple(state.in_flight),
             attempts=tuple(state.attempts),
             retries=state.retries,
+            dropped_fields=dropped,
         )
 
     # ----------------------------------------------------------------------- requests
@@ -404,7 +459,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
 
         Raises an :class:`InferenceError` subclass naming the URL, the status and the
         server's message; after retries, the last attempt's error, with a note counting
-        the attempts. ``ValueError`` for tools with ``endpoint="completions"``.
+        the attempts. ``ValueError`` for tools with ``endpoint="completions"``. A replica
+        that refuses a negotiated field gets the request again without it, within the
+        same attempt (see the class docstring).
 
         Cancellation: cancellable at any point, including during a backoff wait. A
         cancelled request releases its connection slot and its in-flight count before
@@ -449,7 +506,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         flags: dict[str, Any] = {}
         required: dict[str, Any] = {"model": self.model}
         if self.endpoint == "chat":
-            if self.return_logprobs:
+            if self.return_logprobs is not False:
                 flags["logprobs"] = True
             required["messages"] = [_message_json(message) for message in request.prompt]
             if request.tools:
@@ -461,11 +518,11 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
                     "use endpoint='chat'"
                 )
                 raise ValueError(msg)
-            if self.return_logprobs:
+            if self.return_logprobs is not False:
                 # 1, not 0: some servers treat 0 as "no logprobs".
                 flags["logprobs"] = 1
             required["prompt"] = self.render_prompt(request.prompt)
-        if self.return_token_ids:
+        if self.return_token_ids is not False:
             flags["return_token_ids"] = True
         return {
             **flags,
@@ -485,40 +542,86 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
     ) -> InferenceResponse:
         index = self._pick_replica(state)
+        while True:
+            sent = self._capabilities.without_dropped(index, body)
+            response = await self._post(state, index, path, sent)
+            if 200 <= response.status_code < 300:
+                return self._parse(request, sent, response, self._shown_urls[index] + path)
+            refused = self._refused_negotiable(response, sent)
+            if not refused:
+                raise self._status_error(request, response, index, path, sent)
+            # Each pass drops at least one field that was sent, so this loop ends.
+            self._capabilities.drop(index, refused, self._shown_urls[index])
+
+    def _options(self) -> dict[str, bool | None]:
+        """Each negotiable field's option; a field given in ``extra_body`` is explicit."""
+        options = {"return_token_ids": self.return_token_ids, "logprobs": self.return_logprobs}
+        return {
+            field: True if field in self.extra_body else option for field, option in options.items()
+        }
+
+    def _refused_negotiable(self, response: httpx2.Response, sent: dict[str, Any]) -> set[str]:
+        """The negotiable fields that ``sent`` carried and this 400/422 names."""
+        if response.status_code not in (400, 422):
+            return set()
+        candidates = {
+            field for field, option in self._options().items() if option is None
+        } & sent.keys()
+        if not candidates:
+            return set()
+        message, data = _server_message(response)
+        return named_fields(data, message, candidates)
+
+    async def _post(
+        self, state: _RunState, index: int, path: str, body: dict[str, Any]
+    ) -> httpx2.Response:
         url = self.base_url[index] + path
         shown = self._shown_urls[index] + path
         state.in_flight[index] += 1
         state.attempts[index] += 1
         try:
-            response = await state.client.post(url, json=body)
+            return await state.client.post(url, json=body)
         except httpx2.TimeoutException as exc:
-            msg = f"POST {shown} timed out ({_describe(exc)})"
+            msg = f"POST {shown} timed out ({self._redact(_describe(exc))})"
             raise InferenceTimeoutError(msg, url=shown) from exc
         except (httpx2.NetworkError, httpx2.RemoteProtocolError) as exc:
-            msg = f"POST {shown} failed: {_describe(exc)}"
+            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
             raise InferenceConnectionError(msg, url=shown) from exc
         except httpx2.HTTPError as exc:
-            msg = f"POST {shown} failed: {_describe(exc)}"
+            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
             raise InferenceError(msg, url=shown) from exc
         finally:
             state.in_flight[index] -= 1
-        if not 200 <= response.status_code < 300:
-            raise self._status_error(response, shown)
-        return self._parse(request, body, response, shown)
 
     def _redact(self, text: str) -> str:
-        if self.api_key:
-            text = text.replace(self.api_key, "***")
-        return text
+        return _redact(text, self.api_key)
 
-    def _status_error(self, response: httpx2.Response, shown: str) -> InferenceError:
+    def _status_error(
+        self,
+        request: InferenceRequest,
+        response: httpx2.Response,
+        index: int,
+        path: str,
+        sent: dict[str, Any],
+    ) -> InferenceError:
+        shown = self._shown_urls[index] + path
         status = response.status_code
-        server_message = self._redact(_server_message(response))[:_MAX_SERVER_MESSAGE] or None
+        message, data = _server_message(response)
+        server_message = self._redact(message)[:_MAX_SERVER_MESSAGE] or None
         retry_after = _retry_after(response.headers)
         msg = f"POST {shown} returned {status} {response.reason_phrase}"
-        if server_message:
+        if server_message and server_message != response.reason_phrase:
             msg += f": {server_message}"
         cls: type[InferenceError]
+        if status in (400, 422):
+            named = self._named_explicit(request, message, data, sent, index)
+            if named:
+                msg += "; " + self._redact("; ".join(hint for hint, _ in named.values()))
+            refused = tuple(sorted(field for field, (_, is_refused) in named.items() if is_refused))
+            if refused:
+                return UnsupportedFieldError(
+                    msg, fields=refused, url=shown, status=status, server_message=server_message
+                )
         if status in (401, 403):
             cls = AuthenticationError
             msg += " (check api_key or OPENAI_API_KEY)"
@@ -530,6 +633,10 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             cls = RateLimitError
         elif 400 <= status < 500:
             cls = BadRequestError
+            if status in (404, 405):
+                msg += self._api_root_hint(index, path, message)
+        elif status in (501, 505):
+            cls = NotSupportedError
         elif status >= 500:
             cls = ServerError
         else:
@@ -537,6 +644,78 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             msg += " (an unexpected status: is base_url the API root, such as '.../v1'?)"
         return cls(
             msg, url=shown, status=status, server_message=server_message, retry_after=retry_after
+        )
+
+    def _named_explicit(
+        self,
+        request: InferenceRequest,
+        message: str,
+        data: object,
+        sent: dict[str, Any],
+        index: int,
+    ) -> dict[str, tuple[str, bool]]:
+        """The fields asked for explicitly that a 400/422 names, each with a hint and
+        whether the server refused the field itself (rather than, say, its value)."""
+        strict = {
+            field
+            for field, option in self._options().items()
+            if option is True and field in sent and field not in self.extra_body
+        }
+        generation_args = request.generation_args.set_fields()
+        candidates = strict | self.extra_body.keys() | generation_args.keys()
+        named = named_fields(data, message, candidates)
+        unknown = says_unknown(message)
+        replica = self._shown_urls[index]
+        hints: dict[str, tuple[str, bool]] = {}
+        for field in sorted(named):
+            if field in strict:
+                option, flag = NEGOTIABLE_FIELDS[field]
+                hint = (
+                    f"{replica} refused {field}, which {option}=True requires: use "
+                    f"{option}=None to negotiate (ask, and stop asking a server that refuses) "
+                    f"or {option}=False to not ask (CLI: {flag})"
+                )
+                hints[field] = (hint, True)
+            elif field in self.extra_body:
+                if unknown:
+                    hint = (
+                        f"{field} (from extra_body) is not accepted by this server: remove "
+                        "it from extra_body"
+                    )
+                else:
+                    shown_value = f"{self.extra_body[field]!r:.40}"
+                    hint = f"the server names {field} (extra_body[{field!r}]={shown_value})"
+                    hint += ": check its value"
+                hints[field] = (hint, unknown)
+            else:
+                value = generation_args[field]
+                if unknown:
+                    hint = (
+                        f"{field} is not accepted by this server: leave GenerationArgs.{field} "
+                        f"unset for it (it is {value!r})"
+                    )
+                else:
+                    hint = (
+                        f"the server names {field} (GenerationArgs.{field}={value!r}): check "
+                        "its value, or leave it unset"
+                    )
+                hints[field] = (hint, unknown)
+        return hints
+
+    def _api_root_hint(self, index: int, path: str, message: str) -> str:
+        """For a 404 or 405: a base_url without its API prefix, or not an API at all?"""
+        root = self._shown_urls[index]
+        last_segment = httpx2.URL(self.base_url[index]).path.rstrip("/").rsplit("/", 1)[-1]
+        if not _VERSION_SEGMENT.fullmatch(last_segment):
+            return (
+                f" (is base_url the API root, such as '{root}/v1'? {root!r} does not end "
+                "in a version segment)"
+            )
+        if "model" in message.lower():
+            return ""  # api.openai.com answers 404 for an unknown model: its message says so
+        return (
+            f" (is base_url the API root of an OpenAI-compatible server, and does it serve "
+            f"{path} (endpoint={self.endpoint!r})?)"
         )
 
     # ----------------------------------------------------------------------- parsing
@@ -551,6 +730,13 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         try:
             data = response.json()
         except ValueError as exc:
+            if _is_html(response):
+                msg = (
+                    f"POST {shown} returned {response.status_code} with "
+                    f"{_html_summary(response.text)}, not JSON: is base_url the API root of an "
+                    "OpenAI-compatible server, such as 'http://127.0.0.1:8000/v1'?"
+                )
+                raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
             start = self._redact(response.text[:200])
             msg = f"POST {shown} returned {response.status_code} but its body is not JSON ({exc})"
             msg += f"; it starts {start!r}"
@@ -610,6 +796,10 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             token_ids = prompt_ids + generated_ids
             prompt_length = len(prompt_ids)
         raw_text = _optional_str(choice, "raw_text")  # Megatron: what the model saw
+        usage = data.get("usage")
+        if usage is not None and not isinstance(usage, dict):
+            msg = f"$.usage is a {type(usage).__name__}, not an object"
+            raise _BadField(msg)
         return InferenceResponse(
             response=reply,
             raw_text=raw_text if raw_text is not None else prompt_text + reply.content,
@@ -620,6 +810,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             kv_cache_epoch=_epochs(choice, "kv_cache_epoch"),
             num_evictions=_optional_int(choice, "num_evictions") or 0,
             finish_reason=_optional_str(choice, "finish_reason"),
+            usage=usage,
         )
 
 
@@ -636,25 +827,105 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _server_message(response: httpx2.Response) -> str:
-    """The error text a server sent: OpenAI's ``error.message``, vLLM's ``message``,
-    FastAPI's ``detail``, or else the body itself."""
+def _server_message(response: httpx2.Response) -> tuple[str, object]:
+    """What a server said about an error, on one line, and its parsed JSON (or ``None``).
+
+    OpenAI's ``error.message``, vLLM's ``message``, FastAPI's ``detail`` (a validation
+    list as ``body.field: msg; ...``), a summary of an HTML page (never its markup), or
+    else the body itself.
+    """
     try:
         text = response.text
     except (UnicodeDecodeError, LookupError):
-        return ""
+        return "", None
+    if _is_html(response):
+        return _html_summary(text), None
     try:
         data = response.json()
     except ValueError:
-        return text.strip()
+        return _one_line(text), None
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        for value in (error, data.get("message"), data.get("detail")):
+            return _one_line(error["message"]), data
+        detail = data.get("detail")
+        for value in (error, data.get("message"), detail):
             if isinstance(value, str):
-                return value
-    return text.strip()
+                return _one_line(value), data
+        if isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail):
+            items = [
+                f"{'.'.join(map(str, d.get('loc') or ['?']))}: {d.get('msg', '?')}" for d in detail
+            ]
+            return _one_line("; ".join(items)), data
+    return _one_line(text), data
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+#: The last path segment of an API root: "v1", "v2", "v1beta".
+_VERSION_SEGMENT = re.compile(r"v\d+[a-z0-9]*", re.IGNORECASE)
+
+_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title", re.IGNORECASE | re.DOTALL)
+
+
+def _is_html(response: httpx2.Response) -> bool:
+    if "html" in response.headers.get("content-type", "").lower():
+        return True
+    try:
+        return response.text.lstrip().startswith("<")
+    except (UnicodeDecodeError, LookupError):
+        return False
+
+
+def _html_summary(text: str) -> str:
+    """``an HTML page titled '...'``: what a web page is, without its markup."""
+    match = _HTML_TITLE.search(text)
+    title = _one_line(html.unescape(match.group(1))) if match else ""
+    if not title:
+        return "an HTML page (no title)"
+    return f"an HTML page titled {title[:80]!r}"
+
+
+#: Where a credential can appear in what a server echoes: an Authorization (or API-key)
+#: header's value, a bearer token, a URL's query parameter or its password.
+_SECRET_PATTERNS = (
+    (
+        re.compile(
+            r"\b((?:proxy-)?authorization|x-api-key|api-key)([\"']?\s*[:=]\s*[\"']?)"
+            r"(?:[A-Za-z]+\s+)?[^\s\"',;}]+",
+            re.IGNORECASE,
+        ),
+        r"\1\2***",
+    ),
+    (re.compile(r"\b(bearer\s+)[^\s\"',;}]+", re.IGNORECASE), r"\1***"),
+    (
+        re.compile(
+            r"([?&;](?:api[_-]?key|key|token|access[_-]?token|auth)=)[^&\s\"'#]+",
+            re.IGNORECASE,
+        ),
+        r"\1***",
+    ),
+    (re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s/]+@", re.IGNORECASE), r"\1***@"),
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _standalone(api_key: str) -> re.Pattern[str]:
+    # The key as a whole token: not part of a longer word, so a short key never turns
+    # "return_token_ids" into "return_to***en_ids".
+    return re.compile(rf"(?<![A-Za-z0-9_-]){re.escape(api_key)}(?![A-Za-z0-9_-])")
+
+
+def _redact(text: str, api_key: str | None) -> str:
+    """``text`` without credentials: header values, bearer tokens, URL query keys and
+    passwords, and ``api_key`` wherever it stands as a token of its own."""
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    if api_key:
+        text = _standalone(api_key).sub("***", text)
+    return text
 
 
 def _retry_after(headers: httpx2.Headers) -> float | None:
