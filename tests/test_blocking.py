@@ -13,6 +13,7 @@ import math
 import threading
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 import pytest
 import trio
@@ -70,6 +71,11 @@ class Gate:
         assert self._token is not None
         assert self._opened is not None
         trio.from_thread.run_sync(self._opened.set, trio_token=self._token)
+
+    def open_from_trio(self) -> None:
+        """:meth:`open`, called from the Trio thread itself."""
+        assert self._opened is not None
+        self._opened.set()
 
 
 def gated(gate: Gate, *, tasks: int = 2, buffer_size: int = 4) -> ScriptedAgent:
@@ -218,7 +224,24 @@ def test_iterating_a_non_streaming_request_yields_num_groups_groups_then_stops()
 # ------------------------------------------------------------------------ failures
 
 
-def failing_after(gate: Gate) -> ScriptedAgent:
+def raise_boom(chaining: str) -> NoReturn:
+    """Raise ``Boom`` with no chaining (``"none"``), with a ``__cause__`` (``"cause"``:
+    ``raise ... from``), or with a ``__context__`` (``"context"``: raised while handling
+    another exception)."""
+    if chaining == "cause":
+        try:
+            {}["answer"]
+        except KeyError as exc:
+            raise Boom("the agent failed") from exc
+    if chaining == "context":
+        try:
+            {}["answer"]
+        except KeyError:
+            raise Boom("the agent failed")  # noqa: B904 - the context is the point
+    raise Boom("the agent failed")
+
+
+def failing_after(gate: Gate, chaining: str = "none") -> ScriptedAgent:
     """An agent whose one call fails once the gate opens (so, after the block is entered:
     a pipeline that fails at once may fail before ``__enter__`` returns)."""
 
@@ -226,7 +249,7 @@ def failing_after(gate: Gate) -> ScriptedAgent:
         agent: ScriptedAgent, req: tr.GroupedRolloutRequest
     ) -> list[tr.Rollout]:
         await gate.script(agent, req)
-        raise Boom("the agent failed")
+        raise_boom(chaining)
 
     return ScriptedAgent(script=failing_group_rollout, parallel_generation_tasks=1)
 
@@ -273,6 +296,79 @@ def test_a_failure_is_raised_once_then_calls_say_the_pipeline_stopped() -> None:
         with pytest.raises(RuntimeError, match="stopped after an error"):
             stream.get(timeout=WAIT)
     # The exit raises nothing: the failure was already raised.
+
+
+# ------------------------------------------------------------------------ clean errors
+
+#: The calls that take groups, each of which raises the pipeline's failure.
+TAKING_CALLS: dict[str, Callable[[tr.BlockingRolloutStream], object]] = {
+    "take": lambda stream: stream.take(1, timeout=WAIT),
+    "get": lambda stream: stream.get(timeout=WAIT),
+    "iteration": lambda stream: list(stream),
+}
+
+
+def open_the_gate_when_the_caller_waits(monkeypatch: pytest.MonkeyPatch, gate: Gate) -> None:
+    """Open ``gate`` from inside the caller's ``RolloutStream.receive``: the failure then
+    arrives while the caller's call is waiting in the stream, so the call sees the
+    stream close under it (the route on which the error used to be chained to an
+    unrelated ``trio.ClosedResourceError``)."""
+    receive = tr.RolloutStream.receive
+
+    async def receive_after_opening_the_gate(stream: tr.RolloutStream) -> tr.RolloutGroup:
+        gate.open_from_trio()
+        return await receive(stream)
+
+    monkeypatch.setattr(tr.RolloutStream, "receive", receive_after_opening_the_gate)
+
+
+def assert_chained_as_raised(exc: BaseException, chaining: str) -> None:
+    """``exc`` carries the chaining it was raised with in the agent, and nothing else."""
+    if chaining == "none":
+        assert exc.__context__ is None
+        assert exc.__cause__ is None
+        assert exc.__suppress_context__ is False
+    elif chaining == "cause":
+        assert isinstance(exc.__cause__, KeyError)
+        assert exc.__context__ is exc.__cause__
+        assert exc.__suppress_context__ is True
+    else:
+        assert isinstance(exc.__context__, KeyError)
+        assert exc.__cause__ is None
+        assert exc.__suppress_context__ is False
+
+
+@pytest.mark.parametrize("chaining", ["none", "cause", "context"])
+@pytest.mark.parametrize("call", list(TAKING_CALLS))
+def test_a_failure_reaching_a_waiting_call_is_raised_with_its_own_chaining_only(
+    monkeypatch: pytest.MonkeyPatch, call: str, chaining: str
+) -> None:
+    gate = Gate()
+    agent = failing_after(gate, chaining)
+    open_the_gate_when_the_caller_waits(monkeypatch, gate)
+    with tr.blocking_grouped_rollouts(agent, request(streaming=True)) as stream:
+        gate.wait_for("arrived", 1)
+        with pytest.raises(Boom, match="the agent failed") as info:
+            TAKING_CALLS[call](stream)
+
+    assert gate.finished == 1
+    assert_chained_as_raised(info.value, chaining)
+    assert "ClosedResourceError" not in "".join(traceback.format_exception(info.value))
+
+
+@pytest.mark.parametrize("chaining", ["none", "cause", "context"])
+def test_a_failure_raised_at_exit_carries_its_own_chaining_only(chaining: str) -> None:
+    gate = Gate()
+    agent = failing_after(gate, chaining)
+    with (
+        pytest.raises(Boom, match="the agent failed") as info,
+        tr.blocking_grouped_rollouts(agent, request(streaming=True)),
+    ):
+        gate.wait_for("arrived", 1)
+        gate.open()
+        gate.wait_for("finished", 1)
+
+    assert_chained_as_raised(info.value, chaining)
 
 
 # ------------------------------------------------------------------------ shutdown

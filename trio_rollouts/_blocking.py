@@ -4,7 +4,9 @@
 ``with`` block. The pipeline lives in that thread; every call of the
 :class:`BlockingRolloutStream` is one round trip into it through
 ``trio.from_thread``. An exception from the pipeline ends the Trio thread and is raised
-in the caller's thread at its next call, and at the exit of the ``with`` at the latest.
+in the caller's thread at its next call, and at the exit of the ``with`` at the latest,
+as itself: its traceback, ``__cause__`` and ``__context__`` are the ones it had in the
+Trio thread, never chained to the closed stream through which the news arrived.
 Leaving the block cancels the pipeline and joins the thread.
 """
 
@@ -121,11 +123,16 @@ class BlockingRolloutStream:
             raise RuntimeError(msg)
         try:
             return trio.from_thread.run(afn, trio_token=self._token)
-        except (trio.RunFinishedError, trio.Cancelled, trio.ClosedResourceError):
+        except (trio.RunFinishedError, trio.Cancelled, trio.ClosedResourceError) as exc:
             # The pipeline failed while we waited: its error, not ours, is the news.
-            self._thread.join()
-            self._raise_failure()
-            raise
+            interrupted = exc
+        # Raised outside the ``except`` block: raising the failure inside it would chain
+        # it to ``interrupted`` ("During handling of the above exception, another
+        # exception occurred"), which is only how the news arrived, and would overwrite
+        # the ``__context__`` the failure had in the Trio thread.
+        self._thread.join()
+        self._raise_failure()
+        raise interrupted
 
     # ---------------------------------------------------------------- the surface
 
@@ -284,9 +291,10 @@ def blocking_grouped_rollouts(
     The request is checked at once, in the caller's thread. An exception from the
     pipeline is raised in the caller's thread at its next call, and at the exit of the
     ``with`` at the latest (unless the block is already leaving with an exception of its
-    own). Leaving the block, by any route, cancels the pipeline and joins its thread:
-    when ``__exit__`` returns, every ``group_rollout`` call has exited and the thread is
-    gone.
+    own), as itself: with the ``__cause__`` and ``__context__`` it had in the pipeline,
+    and nothing chained to it by the way it crossed threads. Leaving the block, by any
+    route, cancels the pipeline and joins its thread: when ``__exit__`` returns, every
+    ``group_rollout`` call has exited and the thread is gone.
     """
     if not isinstance(agent, GroupedRolloutGenerator):
         msg = f"agent must be a GroupedRolloutGenerator, got {type(agent).__name__}"
