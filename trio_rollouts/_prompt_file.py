@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 import attrs
@@ -38,7 +38,9 @@ from ._models import ChatMessage
 __all__ = [
     "OutputState",
     "PromptFileError",
+    "group_problem_id",
     "load_problems",
+    "result_problem_id",
     "scan_output",
     "truncate_torn_line",
     "write_groups",
@@ -97,6 +99,13 @@ def _problem(data: object, where: str, line: int, need_answer: bool) -> Problem:
     )
 
 
+def _column(text: str, pos: int) -> str:
+    """Where in a line (its newline cut off) a JSON error is: 1-based, as editors count."""
+    if pos >= len(text):
+        return f"at the end of the line (column {len(text) + 1})"
+    return f"column {pos + 1}"
+
+
 def load_problems(path: str | os.PathLike[str], *, need_answer: bool = True) -> list[Problem]:
     """Read a prompt file (see the module docstring); raise :class:`PromptFileError` for
     the first bad row or a duplicate ``problem_id``, or when the file has no rows."""
@@ -109,10 +118,11 @@ def load_problems(path: str | os.PathLike[str], *, need_answer: bool = True) -> 
                 if not line.strip():
                     continue
                 where = f"{name} line {line_number}"
+                text = line.rstrip("\r\n")
                 try:
-                    data = json.loads(line)
+                    data = json.loads(text)
                 except json.JSONDecodeError as exc:
-                    msg = f"{where}: not valid JSON ({exc.msg}, column {exc.colno})"
+                    msg = f"{where}: not valid JSON ({exc.msg}, {_column(text, exc.pos)})"
                     raise PromptFileError(msg) from None
                 problem = _problem(data, where, line_number, need_answer)
                 first = seen.setdefault(problem.problem_id, line_number)
@@ -148,7 +158,8 @@ class OutputState:
     missing_newline: bool = False
 
 
-def _group_problem_id(data: Any) -> str | None:
+def group_problem_id(data: Any) -> str | None:
+    """The ``problem_id`` of an output line of ``generate`` (a rollout group)."""
     if isinstance(data, dict) and isinstance(data.get("rollouts"), list) and data["rollouts"]:
         first = data["rollouts"][0]
         if isinstance(first, dict):
@@ -157,12 +168,27 @@ def _group_problem_id(data: Any) -> str | None:
     return None
 
 
-def scan_output(path: str | os.PathLike[str]) -> OutputState:
+def result_problem_id(data: Any) -> str | None:
+    """The ``problem_id`` of a progress line of ``eval`` (a pass@k result)."""
+    if isinstance(data, dict) and isinstance(data.get("problem_id"), str):
+        return str(data["problem_id"])
+    return None
+
+
+def scan_output(
+    path: str | os.PathLike[str],
+    *,
+    problem_id_of: Callable[[Any], str | None] = group_problem_id,
+    expected: str = "a rollout group with a problem_id; resume only into an output of "
+    "'trio-rollouts generate'",
+) -> OutputState:
     """Read an output file's problem ids for ``--resume``.
 
-    A last line without its newline that is not a complete group is *torn* (a writer
-    cut off mid-line): it is reported in :attr:`OutputState.torn_bytes`, not read. A
-    complete line that is not a rollout group is a :class:`PromptFileError`.
+    ``problem_id_of`` finds a line's problem id (``None``: the line is not what the file
+    should hold, which ``expected`` describes in the error). A last line without its
+    newline that is not complete JSON is *torn* (a writer cut off mid-line): it is
+    reported in :attr:`OutputState.torn_bytes`, not read. A complete line that is not
+    what the file should hold is a :class:`PromptFileError`.
     """
     name = os.fspath(path)
     ids: set[str] = set()
@@ -189,12 +215,9 @@ def scan_output(path: str | os.PathLike[str]) -> OutputState:
                     "output of this tool, or was edited: fix or remove it to resume"
                 )
                 raise PromptFileError(msg) from None
-            problem_id = _group_problem_id(data)
+            problem_id = problem_id_of(data)
             if problem_id is None:
-                msg = (
-                    f"{name} line {line_number} is not a rollout group with a problem_id; "
-                    "resume only into an output of 'trio-rollouts generate'"
-                )
+                msg = f"{name} line {line_number} is not {expected}"
                 raise PromptFileError(msg)
             ids.add(problem_id)
             groups += 1
@@ -221,7 +244,8 @@ def truncate_torn_line(path: str | os.PathLike[str], state: OutputState) -> None
 
 @trio.lowlevel.enable_ki_protection
 def write_groups(file: IO[str], groups: Iterable[object]) -> int:
-    """Append groups as whole JSON lines: each line in one ``write`` and flushed, with
-    KeyboardInterrupt held off until the line is out (Trio delivers it at the next
-    checkpoint instead), so Ctrl-C never leaves half a line. Not a checkpoint."""
+    """Append groups (or any records) as whole JSON lines: each line in one ``write``
+    and flushed, with KeyboardInterrupt held off until the line is out (Trio delivers it
+    at the next checkpoint instead), so Ctrl-C never leaves half a line. Not a
+    checkpoint."""
     return dump_jsonl(groups, file)

@@ -226,6 +226,15 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         Cancellation: implementations must let ``trio.Cancelled`` propagate.
         """
 
+    def annotate_rollout(
+        self, rollout: Rollout | TokenRollout, response: InferenceResponse
+    ) -> None:
+        """Called with each rollout of a group and the response it was built from, before
+        the group is returned; the default does nothing. Override it to keep more of
+        what the server returned (say, ``finish_reason`` in ``rollout.extra``, which a
+        JSON round trip keeps). Not a checkpoint; it must not block.
+        """
+
     async def group_rollout(
         self, request: GroupedRolloutRequest
     ) -> list[Rollout] | list[TokenRollout]:
@@ -239,7 +248,8 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         self, problem: Problem, request: GroupedRolloutRequest
     ) -> list[Rollout] | list[TokenRollout]:
         """Sample ``request.rollouts_per_group`` completions of ``problem`` concurrently,
-        score each with :meth:`get_reward`, and build the group's rollouts.
+        score each with :meth:`get_reward`, and build the group's rollouts (then
+        :meth:`annotate_rollout` each).
 
         Completion ``i`` is requested ``i``-th (a seeded backend gives it the ``i``-th
         sample of the prompt). The first failure (inference or reward) cancels the other
@@ -267,4 +277,7 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
             one
         ] * request.rollouts_per_group
         scored = await gather_bounded(calls, request.rollouts_per_group)
-        return build_rollouts(interface, problem, scored, self.env_id)
+        rollouts = build_rollouts(interface, problem, scored, self.env_id)
+        for index, (response, _) in enumerate(scored):
+            self.annotate_rollout(rollouts[index], response)
+        return rollouts
