@@ -1,4 +1,8 @@
-"""Automation: tests, lint, typecheck, docs, demo and benchmarks. Run ``nox -l`` to list."""
+"""Automation: tests, lint, typecheck, docs, demo and benchmarks. Run ``nox -l`` to list.
+
+Opt-in sessions (not run by a bare ``nox``): ``bench``, ``ray``, ``soak`` and
+``real-server``.
+"""
 
 from __future__ import annotations
 
@@ -59,3 +63,19 @@ def soak(session: nox.Session) -> None:
     """A million groups with random faults; RSS must stay flat (not part of CI)."""
     session.install("-e", ".")
     session.run("python", "benchmarks/soak.py", *session.posargs)
+
+
+@nox.session(name="real-server", default=False)
+def real_server(session: nox.Session) -> None:
+    """The CLI and the library against a real server, with default flags (not part of CI).
+
+    Builds a tiny random Llama offline, serves it with ``transformers serve`` on
+    127.0.0.1, runs ``generate``, ``eval`` and a library script against it, checks the
+    outputs and stops the server. The install is heavy (torch): reuse it with
+    ``nox -R -s real-server``. See tools/real_server/README.md.
+    """
+    # The CPU build of torch lies on local disk; installing it alone, first and pinned,
+    # keeps the next install from pulling a CUDA build to satisfy transformers.
+    session.install("torch==2.13.0")
+    session.install("-e", ".", "transformers[serving]", "torch==2.13.0")
+    session.run("python", "tools/real_server/run.py", *session.posargs)

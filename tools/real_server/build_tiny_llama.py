@@ -1,0 +1,84 @@
+"""Build a tiny, randomly initialised Llama with a byte-level tokenizer, offline.
+
+The model is noise (its weights are random) but it is a real ``transformers`` model:
+``transformers serve`` loads it, applies its chat template, generates with it and
+answers over the OpenAI-compatible API exactly as it would for a trained one. That is
+all the real-server check needs, and it costs a few MB and no download.
+
+    python tools/real_server/build_tiny_llama.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+#: Every STOP_EVERY-th byte token ends a generation, as EOS does (see build()).
+STOP_EVERY = 8
+
+#: The same plain rendering as ``trio_rollouts.inference.render_plain_chat``: one
+#: ``<|role|>`` line per message, then ``<|assistant|>`` opening the reply.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per byte (256) plus three special tokens: every text round-trips."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
+    for special in (BOS, EOS, PAD):
+        vocab[special] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build(out_dir: Path, *, seed: int = 0) -> Path:
+    """Save the tokenizer and a random Llama (hidden 64, 2 layers, 4 heads) in ``out_dir``."""
+    tokenizer = byte_level_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.do_sample = True
+    # A request without max_tokens (the CLI's default) may generate 1024 tokens on
+    # `transformers serve`, and a random model samples EOS once in ~260 tokens. Every 8th
+    # byte also ends a generation, so completions stay ~8 tokens long: a few seconds per
+    # command on a CPU instead of minutes.
+    stops = [tokenizer.eos_token_id, *range(0, STOP_EVERY * 32, STOP_EVERY)]
+    model.generation_config.eos_token_id = stops
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path, help="where to save the model (created)")
+    print(build(parser.parse_args().directory))
