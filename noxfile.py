@@ -1,7 +1,7 @@
 """Automation: tests, lint, typecheck, docs, demo and benchmarks. Run ``nox -l`` to list.
 
-Opt-in sessions (not run by a bare ``nox``): ``bench``, ``ray``, ``soak`` and
-``real-server``.
+Opt-in sessions (not run by a bare ``nox``): ``bench``, ``bench-http``, ``ray``, ``soak``
+and ``real-server``.
 """
 
 from __future__ import annotations
@@ -79,3 +79,11 @@ def real_server(session: nox.Session) -> None:
     session.install("torch==2.13.0")
     session.install("-e", ".", "transformers[serving]", "torch==2.13.0")
     session.run("python", "tools/real_server/run.py", *session.posargs)
+
+
+@nox.session(name="bench-http", default=False)
+def bench_http(session: nox.Session) -> None:
+    """OpenAIInference's CPU per request beside aiohttp on uvloop and the openai SDK
+    (benchmarks/http.py; needs ../shared/bench/http)."""
+    session.install("-e", ".", "openai==3.57.0", "aiohttp==3.14.5", "uvloop==0.23.0")
+    session.run("python", "benchmarks/http.py", *session.posargs)

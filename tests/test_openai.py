@@ -46,6 +46,7 @@ from trio_rollouts.inference import (
     ServerError,
     render_plain_chat,
 )
+from trio_rollouts.inference._lean_http import ConnectionPool
 from trio_rollouts.inference._openai import _retry_after
 
 #: No waiting between attempts: these tests count attempts, not seconds.
@@ -69,9 +70,20 @@ async def replicas() -> AsyncIterator[tuple[FakeOpenAIServer, FakeOpenAIServer]]
         yield first, second
 
 
+#: Options of every interface make() builds; the transport fixture sets "transport".
+DEFAULTS: dict[str, Any] = {"model": "test-model", "api_key": "sk-test", "backoff": NO_WAIT}
+
+
+@pytest.fixture(autouse=True, params=["lean", "httpx2"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this module runs on both transports: the lean HTTP/1.1 pool (the
+    default) and httpx2 (kept for proxies)."""
+    monkeypatch.setitem(DEFAULTS, "transport", request.param)
+    return str(request.param)
+
+
 def make(url: str | list[str], **kwargs: Any) -> OpenAIInference:
-    options: dict[str, Any] = {"model": "test-model", "api_key": "sk-test", "backoff": NO_WAIT}
-    options.update(kwargs)
+    options = {**DEFAULTS, **kwargs}
     return OpenAIInference(base_url=url, **options)
 
 
@@ -370,6 +382,40 @@ async def test_max_retries_zero_makes_one_attempt(server: FakeOpenAIServer) -> N
     assert len(server.received) == 1
 
 
+@pytest.mark.parametrize("mode", ["inactive", "testing"])
+async def test_stamina_decides_the_retries_after_a_first_failure(
+    server: FakeOpenAIServer, mode: str
+) -> None:
+    """The first attempt runs outside stamina, but stamina's switches still govern
+    whether a retry follows (and set_testing(attempts=n) how many attempts in all)."""
+    server.default = Reply(status=503, json={"error": {"message": "overloaded"}})
+    interface = make(server.base_url, max_retries=3)
+    active = stamina.is_active()
+    try:
+        if mode == "inactive":
+            stamina.set_active(False)
+        else:
+            stamina.set_testing(True, attempts=2)
+        with trio.fail_after(PROMPT), pytest.raises(ServerError):
+            await interface.agenerate(ask(interface))
+    finally:
+        stamina.set_testing(False)
+        stamina.set_active(active)
+    expected = 1 if mode == "inactive" else 2
+    assert len(server.received) == expected
+    assert interface.statistics().retries == expected - 1
+
+
+async def test_a_retried_error_is_not_chained_to_the_first(server: FakeOpenAIServer) -> None:
+    server.reply(Reply(status=503, json={"error": {"message": "first"}}))
+    server.default = Reply(status=400, json={"error": {"message": "second"}})
+    interface = make(server.base_url, max_retries=2)
+    with trio.fail_after(PROMPT), pytest.raises(BadRequestError) as caught:
+        await interface.agenerate(ask(interface))
+    assert caught.value.__context__ is None
+    assert len(server.received) == 2
+
+
 @pytest.mark.parametrize("status", [400, 404, 422])
 async def test_other_client_errors_are_not_retried(server: FakeOpenAIServer, status: int) -> None:
     message = "max_tokens must be at least 1"
@@ -585,11 +631,24 @@ async def test_ties_between_replicas_go_round_robin(
 # --------------------------------------------------------------------------- cancellation
 
 
-def _pool(interface: OpenAIInference) -> Any:
-    # Private httpx2/httpcore2 internals, read only to prove that no slot leaked.
+def _assert_no_slot_leaked(interface: OpenAIInference, max_connections: int) -> None:
     state = interface._run_state.get()
     assert state is not None
-    return state.client._transport._pool
+    if isinstance(state.client, ConnectionPool):
+        stats = state.client.statistics()
+        assert (stats.active, stats.waiting) == (0, 0)
+        assert stats.connections <= max_connections
+        return
+    # Private httpx2/httpcore2 internals, read only to prove that no slot leaked.
+    pool = state.client._transport._pool
+    assert len(pool.connections) <= max_connections
+    assert pool._requests == []
+
+
+def _is_closed(client: httpx2.AsyncClient | ConnectionPool) -> bool:
+    if isinstance(client, ConnectionPool):
+        return client.statistics().connections == 0
+    return client.is_closed
 
 
 async def test_cancellation_storm_leaks_no_connection_slot(server: FakeOpenAIServer) -> None:
@@ -612,9 +671,7 @@ async def test_cancellation_storm_leaks_no_connection_slot(server: FakeOpenAISer
     assert outcomes["cancelled"] + outcomes["completed"] == 300
     assert outcomes["cancelled"] > 0
     assert interface.statistics().in_flight == (0,)
-    pool = _pool(interface)
-    assert len(pool.connections) <= 4
-    assert pool._requests == []
+    _assert_no_slot_leaked(interface, 4)
     # Four at once: were a slot lost, one of them would wait forever.
     with trio.fail_after(PROMPT):
         async with trio.open_nursery() as nursery:
@@ -661,7 +718,7 @@ async def test_aclose_closes_the_client_and_a_later_request_reopens(
     with trio.fail_after(PROMPT):
         await interface.agenerate(ask(interface))
         await interface.aclose()
-        assert clients[0].is_closed
+        assert _is_closed(clients[0])
         await interface.aclose()  # idempotent
         await interface.agenerate(ask(interface))
     assert len(clients) == 2
@@ -674,7 +731,7 @@ async def test_async_with_closes_the_client(
     with trio.fail_after(PROMPT):
         async with make(server.base_url) as interface:
             await interface.agenerate(ask(interface))
-    assert clients[0].is_closed
+    assert _is_closed(clients[0])
 
 
 def test_sync_generate_works_twice_and_closes_each_client(
@@ -688,7 +745,7 @@ def test_sync_generate_works_twice_and_closes_each_client(
         second = interface.generate(ask(interface))
     assert first.response.content == second.response.content == "t: hello"
     assert len(clients) == 2
-    assert all(client.is_closed for client in clients)
+    assert all(_is_closed(client) for client in clients)
 
 
 def test_a_client_is_closed_when_its_trio_run_ends(
@@ -700,18 +757,20 @@ def test_a_client_is_closed_when_its_trio_run_ends(
     async def pipeline() -> None:
         interface = make(fake.base_url)
         await interface.agenerate(ask(interface))
-        assert not clients[0].is_closed
+        assert not _is_closed(clients[0])
 
     with serving_in_thread(fake):
         trio.run(pipeline)
-    assert clients[0].is_closed
+    assert _is_closed(clients[0])
 
 
-def _record_clients(monkeypatch: pytest.MonkeyPatch) -> list[httpx2.AsyncClient]:
-    clients: list[httpx2.AsyncClient] = []
+def _record_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[httpx2.AsyncClient | ConnectionPool]:
+    clients: list[httpx2.AsyncClient | ConnectionPool] = []
     make_client = OpenAIInference._make_client
 
-    def recording(self: OpenAIInference) -> httpx2.AsyncClient:
+    def recording(self: OpenAIInference) -> httpx2.AsyncClient | ConnectionPool:
         client = make_client(self)
         clients.append(client)
         return client

@@ -22,14 +22,16 @@ from __future__ import annotations
 import email.utils
 import functools
 import html
+import json
 import logging
 import math
 import os
 import re
 import ssl
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 import httpx2
@@ -59,6 +61,14 @@ from ._interface import (
     ReturnsLogProbs,
     ReturnsRaw,
     render_plain_chat,
+)
+from ._lean_http import (
+    ConnectionPool,
+    HTTPTimeouts,
+    LeanHTTPError,
+    LeanTimeout,
+    NetworkError,
+    RemoteProtocolError,
 )
 from ._negotiation import NEGOTIABLE_FIELDS, Capabilities, named_fields, says_unknown
 
@@ -240,6 +250,39 @@ def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object)
         raise TypeError(msg)
 
 
+class _Headers(Protocol):
+    def get(self, key: str, /) -> str | None: ...
+
+
+class _Response(Protocol):
+    """What this module reads of a response, from httpx2 or from the lean pool."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def reason_phrase(self) -> str: ...
+    @property
+    def headers(self) -> _Headers: ...
+    @property
+    def text(self) -> str: ...
+    def json(self) -> Any: ...
+
+
+def _proxied(urls: Sequence[str]) -> bool:
+    """Whether the environment routes any of ``urls`` through a proxy (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``, less ``NO_PROXY``), as httpx2 would honour."""
+    proxies = urllib.request.getproxies()
+    if not proxies:
+        return False
+    for url in urls:
+        parsed = httpx2.URL(url)
+        if (parsed.scheme in proxies or "all" in proxies) and not urllib.request.proxy_bypass(
+            parsed.host
+        ):
+            return True
+    return False
+
+
 # --------------------------------------------------------------------------- per-run state
 
 
@@ -247,7 +290,7 @@ def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object)
 class _RunState:
     """What one Trio run holds for one interface."""
 
-    client: httpx2.AsyncClient
+    client: httpx2.AsyncClient | ConnectionPool
     in_flight: list[int]
     attempts: list[int]
     retries: int = 0
@@ -353,6 +396,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     render_prompt: Callable[[list[ChatMessage]], str] = attrs.field(
         default=render_plain_chat, validator=attrs.validators.is_callable(), repr=False
     )
+    transport: Literal["auto", "lean", "httpx2"] = attrs.field(
+        default="auto", validator=attrs.validators.in_(("auto", "lean", "httpx2"))
+    )
     # The replicas as shown in errors (no credentials), parsed once, not per attempt.
     _shown_urls: tuple[str, ...] = attrs.field(
         init=False,
@@ -365,6 +411,19 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         init=False,
         repr=False,
         factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference"),
+    )
+    # The lean transport's request headers, built once.
+    _lean_headers: tuple[tuple[str, str], ...] = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(
+            lambda self: (
+                ("accept", "application/json"),
+                ("content-type", "application/json"),
+                *(() if self.api_key is None else (("authorization", f"Bearer {self.api_key}"),)),
+            ),
+            takes_self=True,
+        ),
     )
     # What negotiation learned per replica: mutable, and deliberately not per run.
     _capabilities: Capabilities = attrs.field(
@@ -387,7 +446,27 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
 
     # ----------------------------------------------------------------------- lifetime
 
-    def _make_client(self) -> httpx2.AsyncClient:
+    @property
+    def uses_lean_transport(self) -> bool:
+        """Whether requests go through the lean HTTP/1.1 pool (``transport="lean"``, or
+        ``"auto"`` with no proxy configured for the replicas) rather than httpx2."""
+        if self.transport == "auto":
+            return not _proxied(self.base_url)
+        return self.transport == "lean"
+
+    def _make_client(self) -> httpx2.AsyncClient | ConnectionPool:
+        if self.uses_lean_transport:
+            return ConnectionPool(
+                max_connections=self.max_connections,
+                keepalive_expiry=_KEEPALIVE_EXPIRY,
+                timeouts=HTTPTimeouts(
+                    connect=self.timeout.connect,
+                    read=self.timeout.read,
+                    write=self.timeout.write,
+                    pool=self.timeout.pool,
+                ),
+                ssl_context=_default_ssl_context(),
+            )
         headers = {"Accept": "application/json"}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -470,6 +549,29 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         body = self._request_body(request)
         path = _ENDPOINT_PATHS[self.endpoint]
         state = self._state()
+        # The first attempt runs outside stamina: a request that succeeds at once (nearly
+        # all of them) costs no retry machinery. Only a transient failure enters it.
+        try:
+            return await self._attempt(state, request, body, path)
+        except TRANSIENT_ERRORS as exc:
+            if self.max_retries == 0:
+                raise
+            first = exc
+        # Outside the except block, so that a later failure is not chained to the first.
+        return await self._retried(first, state, request, body, path)
+
+    async def _retried(
+        self,
+        first: InferenceError,
+        state: _RunState,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+    ) -> InferenceResponse:
+        """Attempts 2, 3, ... after a first attempt that failed transiently with ``first``,
+        replayed as stamina's first attempt: stamina decides everything from there as if it
+        had made it (whether to retry at all under ``stamina.set_active`` and
+        ``set_testing``, the backoff and its jitter, ``Retry-After``, its hooks)."""
         attempt_number = 0
         try:
             async for attempt in stamina.retry_context(
@@ -482,8 +584,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             ):
                 with attempt:
                     attempt_number = attempt.num
-                    if attempt_number > 1:
-                        state.retries += 1
+                    if attempt_number == 1:
+                        raise first
+                    state.retries += 1
                     return await self._attempt(state, request, body, path)
         except InferenceError as exc:
             if attempt_number > 1:
@@ -533,6 +636,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
 
     def _pick_replica(self, state: _RunState) -> int:
         n = len(state.in_flight)
+        if n == 1:
+            return 0
         start = state.next_replica
         index = min(range(n), key=lambda i: (state.in_flight[i], (i - start) % n))
         state.next_replica = (index + 1) % n
@@ -560,7 +665,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             field: True if field in self.extra_body else option for field, option in options.items()
         }
 
-    def _refused_negotiable(self, response: httpx2.Response, sent: dict[str, Any]) -> set[str]:
+    def _refused_negotiable(self, response: _Response, sent: dict[str, Any]) -> set[str]:
         """The negotiable fields that ``sent`` carried and this 400/422 names."""
         if response.status_code not in (400, 422):
             return set()
@@ -574,13 +679,28 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
 
     async def _post(
         self, state: _RunState, index: int, path: str, body: dict[str, Any]
-    ) -> httpx2.Response:
+    ) -> _Response:
         url = self.base_url[index] + path
         shown = self._shown_urls[index] + path
         state.in_flight[index] += 1
         state.attempts[index] += 1
+        client = state.client
         try:
-            return await state.client.post(url, json=body)
+            if isinstance(client, ConnectionPool):
+                content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+                return await client.request(
+                    "POST", url, headers=self._lean_headers, content=content
+                )
+            return await client.post(url, json=body)
+        except LeanTimeout as exc:
+            msg = f"POST {shown} timed out ({self._redact(_describe(exc))})"
+            raise InferenceTimeoutError(msg, url=shown) from exc
+        except (NetworkError, RemoteProtocolError) as exc:
+            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
+            raise InferenceConnectionError(msg, url=shown) from exc
+        except LeanHTTPError as exc:
+            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
+            raise InferenceError(msg, url=shown) from exc
         except httpx2.TimeoutException as exc:
             msg = f"POST {shown} timed out ({self._redact(_describe(exc))})"
             raise InferenceTimeoutError(msg, url=shown) from exc
@@ -599,7 +719,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     def _status_error(
         self,
         request: InferenceRequest,
-        response: httpx2.Response,
+        response: _Response,
         index: int,
         path: str,
         sent: dict[str, Any],
@@ -724,7 +844,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         self,
         request: InferenceRequest,
         body: dict[str, Any],
-        response: httpx2.Response,
+        response: _Response,
         shown: str,
     ) -> InferenceResponse:
         try:
@@ -827,7 +947,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _server_message(response: httpx2.Response) -> tuple[str, object]:
+def _server_message(response: _Response) -> tuple[str, object]:
     """What a server said about an error, on one line, and its parsed JSON (or ``None``).
 
     OpenAI's ``error.message``, vLLM's ``message``, FastAPI's ``detail`` (a validation
@@ -870,8 +990,8 @@ _VERSION_SEGMENT = re.compile(r"v\d+[a-z0-9]*", re.IGNORECASE)
 _HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title", re.IGNORECASE | re.DOTALL)
 
 
-def _is_html(response: httpx2.Response) -> bool:
-    if "html" in response.headers.get("content-type", "").lower():
+def _is_html(response: _Response) -> bool:
+    if "html" in (response.headers.get("content-type") or "").lower():
         return True
     try:
         return response.text.lstrip().startswith("<")
@@ -928,7 +1048,7 @@ def _redact(text: str, api_key: str | None) -> str:
     return text
 
 
-def _retry_after(headers: httpx2.Headers) -> float | None:
+def _retry_after(headers: _Headers) -> float | None:
     """Seconds from ``retry-after-ms`` (OpenAI) or ``Retry-After`` (seconds or a date)."""
     milliseconds = headers.get("retry-after-ms")
     if milliseconds is not None:

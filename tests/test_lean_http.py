@@ -1,0 +1,823 @@
+"""The lean HTTP/1.1 connection pool (``inference/_lean_http.py``), specified against real
+sockets on 127.0.0.1: a scriptable raw server (``_raw_http_server``) writes exactly the bytes
+each test needs. Timeouts run on Trio's autojump clock, so no test waits for real time."""
+
+from __future__ import annotations
+
+import random
+import socket
+import ssl
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+import trustme
+from _raw_http_server import (
+    RawConnection,
+    ReceivedRequest,
+    answer_forever,
+    raw_server,
+    response,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trio_rollouts.inference._lean_http import (
+    ConnectError,
+    ConnectionPool,
+    ConnectTimeout,
+    HTTPTimeouts,
+    LeanHTTPError,
+    NetworkError,
+    PoolStatistics,
+    PoolTimeout,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    WriteError,
+    WriteTimeout,
+)
+
+TIMEOUTS = HTTPTimeouts(connect=5.0, read=5.0, write=5.0, pool=5.0)
+
+
+_POOLS: list[ConnectionPool] = []
+
+
+def make_pool(max_connections: int = 4, **kwargs: object) -> ConnectionPool:
+    kwargs.setdefault("keepalive_expiry", 30.0)
+    kwargs.setdefault("timeouts", TIMEOUTS)
+    pool = ConnectionPool(max_connections=max_connections, **kwargs)  # type: ignore[arg-type]
+    _POOLS.append(pool)
+    return pool
+
+
+@pytest.fixture(autouse=True)
+async def close_pools() -> AsyncIterator[None]:
+    """Close whatever a failed test left open (every test here is a Trio test)."""
+    yield
+    while _POOLS:
+        await _POOLS.pop().aclose()
+
+
+def echo(request: ReceivedRequest) -> bytes:
+    return response(b"%s %s %s" % (request.method.encode(), request.target.encode(), request.body))
+
+
+async def echo_handler(conn: RawConnection) -> None:
+    await answer_forever(conn, echo)
+
+
+def idle_stats(connections: int) -> PoolStatistics:
+    return PoolStatistics(connections=connections, idle=connections, active=0, waiting=0)
+
+
+# --------------------------------------------------------------------------- HTTP basics
+
+
+async def test_sequential_requests_reuse_one_keepalive_connection() -> None:
+    pool = make_pool()
+    async with raw_server(echo_handler) as server:
+        for i in range(5):
+            reply = await pool.request("POST", server.url(f"/v1/x?i={i}"), content=b"body")
+            assert reply.status_code == 200
+            assert reply.content == f"POST /v1/x?i={i} body".encode()
+        assert server.accepted == 1
+        assert pool.statistics() == idle_stats(1)
+        await pool.aclose()
+
+
+async def test_request_sends_host_user_agent_content_length_and_given_headers() -> None:
+    seen: list[ReceivedRequest] = []
+
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            seen.append(request)
+            await conn.send(response())
+
+    pool = make_pool(user_agent="tester/1")
+    async with raw_server(handler) as server:
+        await pool.request(
+            "POST", server.url("/p"), headers=[("Authorization", "Bearer k")], content=b"{}"
+        )
+        await pool.request("GET", server.url("/g"))
+        await pool.aclose()
+    post, get = seen
+    assert post.headers["host"] == f"127.0.0.1:{server.port}"
+    assert post.headers["user-agent"] == "tester/1"
+    assert post.headers["authorization"] == "Bearer k"
+    assert post.headers["content-length"] == "2"
+    assert post.body == b"{}"
+    assert "content-length" not in get.headers
+
+
+async def test_connection_close_response_closes_the_connection() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await answer_forever(conn, lambda r: response(headers=[(b"Connection", b"close")]))
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        for _ in range(3):
+            assert (await pool.request("GET", server.url())).content == b"ok"
+            assert pool.statistics() == idle_stats(0)
+        assert server.accepted == 3
+
+
+@pytest.mark.parametrize("framing", ["until-close", "content-length"])
+async def test_http10_server_response_is_read_and_connection_not_reused(framing: str) -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        if framing == "content-length":
+            await conn.send(b"HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        else:
+            await conn.send(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nhello")
+            conn.close()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        for _ in range(2):
+            reply = await pool.request("GET", server.url())
+            assert (reply.status_code, reply.content) == (200, b"hello")
+        assert server.accepted == 2
+        assert pool.statistics() == idle_stats(0)
+
+
+@pytest.mark.parametrize("chunks", [None, [1], [3, 1000], [4096]])
+async def test_fixed_length_and_chunked_bodies(chunks: list[int] | None) -> None:
+    body = bytes(range(256)) * 40
+
+    async def handler(conn: RawConnection) -> None:
+        await answer_forever(conn, lambda r: response(body, chunks=chunks))
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        for _ in range(2):
+            assert (await pool.request("GET", server.url())).content == body
+        assert server.accepted == 1
+
+
+async def test_informational_responses_before_the_response_are_skipped() -> None:
+    async def handler(conn: RawConnection) -> None:
+        while await conn.receive_request() is not None:
+            await conn.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await conn.send(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n")
+            await conn.send(response(b"final", status=201, reason=b"Created"))
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        for _ in range(2):
+            reply = await pool.request("POST", server.url(), content=b"x")
+            assert (reply.status_code, reply.reason_phrase, reply.content) == (
+                201,
+                "Created",
+                b"final",
+            )
+        assert server.accepted == 1
+
+
+async def test_large_body_arrives_across_many_reads() -> None:
+    body = random.Random(7).randbytes(3_000_000)
+
+    async def handler(conn: RawConnection) -> None:
+        await answer_forever(conn, lambda r: response(body, chunks=[70_000, 13]))
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        assert (await pool.request("GET", server.url())).content == body
+        assert (await pool.request("POST", server.url(), content=body[:100_000])).content == body
+
+
+async def test_head_response_has_no_body_and_keeps_the_connection() -> None:
+    async def handler(conn: RawConnection) -> None:
+        while await conn.receive_request() is not None:
+            await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        for _ in range(2):
+            assert (await pool.request("HEAD", server.url())).content == b""
+        assert server.accepted == 1
+
+
+async def test_ipv6_literal_host() -> None:
+    seen: list[str] = []
+
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            seen.append(request.headers["host"])
+            await conn.send(response())
+
+    pool = make_pool()
+    async with raw_server(handler, host="::1") as server:
+        assert (await pool.request("GET", server.url("/"))).content == b"ok"
+    assert seen == [f"[::1]:{server.port}"]
+
+
+async def test_response_headers_text_and_json() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await answer_forever(
+            conn,
+            lambda r: response(
+                {"/text": "café".encode("latin-1"), "/json": b'{"a": [1, 2]}'}.get(
+                    r.target, b"not json"
+                ),
+                headers=[
+                    (b"Content-Type", b"text/plain; charset=ISO-8859-1"),
+                    (b"X-Twice", b"a"),
+                    (b"x-twice", b"b"),
+                ],
+            ),
+        )
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        text = await pool.request("GET", server.url("/text"))
+        assert text.text == "café"
+        assert text.headers["CONTENT-TYPE"] == "text/plain; charset=ISO-8859-1"
+        assert text.headers.get("x-twice") == "a, b"
+        assert "X-Twice" in text.headers
+        assert text.headers.get("missing") is None
+        assert ("x-twice", "a") in text.headers.multi_items()
+        data = await pool.request("GET", server.url("/json"))
+        assert data.json() == {"a": [1, 2]}
+        bad = await pool.request("GET", server.url("/bad"))
+        with pytest.raises(ValueError, match="Expecting value"):
+            bad.json()
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1/x", "/relative", "http:///nohost"])
+async def test_unsupported_url_raises_value_error_naming_it(url: str) -> None:
+    pool = make_pool()
+    with pytest.raises(ValueError, match="URL") as info:
+        await pool.request("GET", url)
+    assert url in str(info.value)
+    assert pool.statistics() == idle_stats(0)
+
+
+async def test_invalid_header_raises_value_error_and_holds_no_slot() -> None:
+    pool = make_pool()
+    with pytest.raises(ValueError, match="invalid request"):
+        await pool.request("GET", "http://127.0.0.1:9/", headers=[("Bad Name", "x")])
+    assert pool.statistics() == idle_stats(0)
+
+
+async def test_invalid_configuration_names_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"HTTPTimeouts\.read=-1"):
+        HTTPTimeouts(connect=1, read=-1, write=1, pool=1)
+    with pytest.raises(ValueError, match="max_connections=0"):
+        make_pool(0)
+
+
+async def test_error_hierarchy() -> None:
+    assert issubclass(ConnectError, NetworkError)
+    assert issubclass(ReadError, NetworkError)
+    assert issubclass(WriteError, NetworkError)
+    assert issubclass(NetworkError, LeanHTTPError)
+    assert issubclass(RemoteProtocolError, LeanHTTPError)
+    for timeout in (ConnectTimeout, ReadTimeout, WriteTimeout, PoolTimeout):
+        assert issubclass(timeout, LeanHTTPError)
+
+
+# --------------------------------------------------------------------------- chunk boundaries
+
+HEADER_VALUES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_ /;=", max_size=30).map(
+    str.strip
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    bodies=st.lists(st.binary(max_size=2500), min_size=1, max_size=3),
+    chunked=st.booleans(),
+    chunk_sizes=st.lists(st.integers(1, 900), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(0, 3000), max_size=15),
+    pauses=st.lists(st.integers(0, 3), max_size=5),
+    status=st.sampled_from([200, 201, 204, 400, 429, 500, 503]),
+    extra=st.lists(st.tuples(st.sampled_from(["x-a", "x-b", "retry-after"]), HEADER_VALUES)),
+)
+async def test_responses_split_at_any_byte_boundary_parse_to_what_was_sent(
+    bodies: list[bytes],
+    chunked: bool,
+    chunk_sizes: list[int],
+    cuts: list[int],
+    pauses: list[int],
+    status: int,
+    extra: list[tuple[str, str]],
+) -> None:
+    if status == 204:
+        bodies = [b"" for _ in bodies]
+    headers = [(name.encode(), value.encode()) for name, value in extra]
+
+    def wire(body: bytes) -> bytes:
+        return response(
+            body,
+            status=status,
+            reason=b"Whatever",
+            headers=headers,
+            chunks=chunk_sizes if chunked and status != 204 else None,
+        )
+
+    async def handler(conn: RawConnection) -> None:
+        for body in bodies:
+            if await conn.receive_request() is None:
+                return
+            await conn.send_in_pieces(wire(body), cuts, pauses)
+        await conn.receive_request()
+
+    pool = make_pool(1)
+    async with raw_server(handler) as server:
+        for body in bodies:
+            reply = await pool.request("POST", server.url(), content=b"q")
+            assert (reply.status_code, reply.reason_phrase, reply.content) == (
+                status,
+                "Whatever",
+                body,
+            )
+            for name, _ in extra:
+                sent = [v.decode() for n, v in headers if n.decode() == name]
+                assert reply.headers[name.upper()] == ", ".join(sent)
+        assert server.accepted == 1
+        assert pool.statistics() == idle_stats(1)
+        await pool.aclose()
+
+
+# --------------------------------------------------------------------------- broken connections
+
+
+async def test_server_closing_mid_body_raises_read_error_and_releases_the_slot() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with pytest.raises(ReadError, match="closed the connection mid-response"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_server_closing_mid_chunked_body_raises_read_error() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab")
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with pytest.raises(ReadError, match="mid-response"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_server_reset_raises_read_error_naming_the_reset() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+        await trio.testing.wait_all_tasks_blocked()
+        conn.reset()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with pytest.raises(ReadError, match="Connection reset by peer"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_invalid_response_raises_remote_protocol_error() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        await conn.send(b"SPDY/9 banana\r\n\r\n")
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with pytest.raises(RemoteProtocolError, match=r"invalid HTTP/1.1 response"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_half_closed_idle_connection_is_replaced_without_error() -> None:
+    async def handler(conn: RawConnection) -> None:
+        request = await conn.receive_request()
+        assert request is not None
+        await conn.send(echo(request))
+        await conn.shutdown_write()  # no Connection: close, just a FIN
+        await conn.receive_request()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        await pool.request("GET", server.url("/1"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await pool.request("GET", server.url("/2"))).content == b"GET /2 "
+        assert server.accepted == 2
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+async def test_stale_reused_connection_is_retried_once_on_a_fresh_one(how: str) -> None:
+    async def handler(conn: RawConnection) -> None:
+        if conn.number == 0:
+            request = await conn.receive_request()
+            assert request is not None
+            await conn.send(echo(request))
+            await conn.receive_request()  # the race: the server gives up as a request arrives
+            conn.reset() if how == "reset" else conn.close()
+        else:
+            await echo_handler(conn)
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        await pool.request("GET", server.url("/1"))
+        assert (await pool.request("POST", server.url("/2"), content=b"b")).content == b"POST /2 b"
+        assert server.accepted == 2
+        assert pool.statistics() == idle_stats(1)
+
+
+async def test_no_retry_when_the_retry_connection_also_fails() -> None:
+    async def handler(conn: RawConnection) -> None:
+        if conn.number == 0:
+            request = await conn.receive_request()
+            assert request is not None
+            await conn.send(echo(request))
+        await conn.receive_request()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        await pool.request("GET", server.url())
+        with pytest.raises(RemoteProtocolError, match="without sending a response"):
+            await pool.request("GET", server.url())
+        assert server.accepted == 2
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_no_retry_when_the_connection_was_new() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with pytest.raises(RemoteProtocolError, match="without sending a response"):
+            await pool.request("GET", server.url())
+        assert server.accepted == 1
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_no_retry_once_a_response_byte_arrived() -> None:
+    async def handler(conn: RawConnection) -> None:
+        request = await conn.receive_request()
+        assert request is not None
+        await conn.send(echo(request))
+        await conn.receive_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Le")
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        await pool.request("GET", server.url())
+        with pytest.raises(ReadError, match="mid-response"):
+            await pool.request("GET", server.url())
+        assert server.accepted == 1
+
+
+async def test_connection_refused_raises_connect_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pool = make_pool()
+    with pytest.raises(ConnectError, match=f"could not connect to http://127.0.0.1:{port}"):
+        await pool.request("GET", f"http://127.0.0.1:{port}/")
+    assert pool.statistics() == idle_stats(0)
+
+
+async def test_expired_idle_connection_is_not_reused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = make_pool(keepalive_expiry=10.0)
+    async with raw_server(echo_handler) as server:
+        await pool.request("GET", server.url())
+        await trio.sleep(5)
+        await pool.request("GET", server.url())
+        assert server.accepted == 1
+        await trio.sleep(11)
+        await pool.request("GET", server.url())
+        assert server.accepted == 2
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.open == 1
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+async def never_answer(conn: RawConnection) -> None:
+    await conn.receive_request()
+    await trio.sleep_forever()
+
+
+async def test_read_timeout_when_the_server_is_silent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = make_pool()
+    async with raw_server(never_answer) as server:
+        start = trio.current_time()
+        with pytest.raises(ReadTimeout, match=r"read timeout of 5.0 s"):
+            await pool.request("GET", server.url())
+        assert trio.current_time() - start == pytest.approx(5.0)
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_read_timeout_is_per_receive_so_a_slow_trickle_completes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    data = response(b"slow but steady")
+
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        for i in range(len(data)):
+            await trio.sleep(4)  # under the 5 s read timeout each time
+            await conn.send(data[i : i + 1])
+        await conn.receive_request()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        reply = await pool.request("GET", server.url())
+        assert reply.content == b"slow but steady"
+
+
+async def test_write_timeout_when_the_server_does_not_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def handler(conn: RawConnection) -> None:
+        await trio.sleep_forever()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with pytest.raises(WriteTimeout, match="write timeout"):
+            await pool.request("POST", server.url(), content=b"x" * 64_000_000)
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_connect_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    async def slow_open(host: str, port: int) -> trio.SocketStream:
+        await trio.sleep_forever()
+        raise AssertionError  # pragma: no cover
+
+    pool = make_pool(_open_stream=slow_open)
+    with pytest.raises(ConnectTimeout, match=r"connect timeout of 5.0 s"):
+        await pool.request("GET", "http://127.0.0.1:1/")
+    assert pool.statistics() == idle_stats(0)
+
+
+async def test_connect_failure_from_the_opener_is_a_connect_error() -> None:
+    async def failing_open(host: str, port: int) -> trio.SocketStream:
+        raise OSError(113, "No route to host")
+
+    pool = make_pool(_open_stream=failing_open)
+    with pytest.raises(ConnectError, match="No route to host"):
+        await pool.request("GET", "http://example.invalid/")
+    assert pool.statistics() == idle_stats(0)
+
+
+async def test_pool_timeout_when_every_connection_is_busy(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = make_pool(1, timeouts=HTTPTimeouts(connect=5, read=None, write=5, pool=2))
+    async with raw_server(never_answer) as server, trio.open_nursery() as nursery:
+        nursery.start_soon(pool.request, "GET", server.url())
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(PoolTimeout, match="pool timeout of 2 s"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == PoolStatistics(connections=1, idle=0, active=1, waiting=0)
+        nursery.cancel_scope.cancel()
+    assert pool.statistics() == idle_stats(0)
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+async def test_cancel_mid_response_closes_the_connection_and_releases_the_slot() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await conn.receive_request()  # returns when the client closes
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with trio.move_on_after(0.5):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.open == 0
+
+
+async def test_cancelled_waiter_leaves_no_trace(autojump_clock: trio.testing.MockClock) -> None:
+    pool = make_pool(1)
+    async with raw_server(never_answer) as server, trio.open_nursery() as nursery:
+        nursery.start_soon(pool.request, "GET", server.url())
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(1):
+            await pool.request("GET", server.url())
+        assert pool.statistics().waiting == 0
+        nursery.cancel_scope.cancel()
+    assert pool.statistics() == idle_stats(0)
+
+
+async def test_cancel_storm_leaks_no_slot(autojump_clock: trio.testing.MockClock) -> None:
+    rng = random.Random(1234)
+
+    async def handler(conn: RawConnection) -> None:
+        while await conn.receive_request() is not None:
+            await trio.sleep(rng.uniform(0, 0.05))
+            data = response(b"x" * rng.randrange(0, 200_000), chunks=[rng.randrange(1, 5000)])
+            cut = rng.randrange(len(data))
+            await conn.send(data[:cut])
+            await trio.sleep(rng.uniform(0, 0.01))
+            await conn.send(data[cut:])
+
+    pool = make_pool(4, timeouts=HTTPTimeouts(connect=5, read=5, write=5, pool=None))
+    outcomes: list[str] = []
+
+    async def one(delay: float, cancel_after: float) -> None:
+        await trio.sleep(delay)
+        with trio.move_on_after(cancel_after):
+            await pool.request("POST", server.url(), content=b"go")
+            outcomes.append("done")
+            return
+        outcomes.append("cancelled")
+
+    async with raw_server(handler) as server:
+        async with trio.open_nursery() as nursery:
+            for _ in range(300):
+                nursery.start_soon(one, rng.uniform(0, 1.0), rng.uniform(0, 0.1))
+        stats = pool.statistics()
+        assert (stats.active, stats.waiting) == (0, 0)
+        assert stats.connections <= 4
+        assert stats.idle == stats.connections
+        assert {"done", "cancelled"} <= set(outcomes)
+        with trio.fail_after(1):
+            assert (await pool.request("GET", server.url())).status_code == 200
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.open == pool.statistics().connections
+
+
+async def test_waiters_get_slots_in_fifo_order() -> None:
+    release = trio.Event()
+    order: list[bytes] = []
+
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            order.append(request.body)
+            if request.body == b"0":
+                await release.wait()
+            await conn.send(response())
+
+    pool = make_pool(1)
+    async with raw_server(handler) as server, trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(
+                lambda i=i: pool.request("POST", server.url(), content=str(i).encode())
+            )
+            await trio.testing.wait_all_tasks_blocked()
+        assert pool.statistics() == PoolStatistics(connections=1, idle=0, active=1, waiting=5)
+        release.set()
+    assert order == [b"0", b"1", b"2", b"3", b"4", b"5"]
+    assert server.accepted == 1
+
+
+async def test_new_request_does_not_overtake_waiters() -> None:
+    release = trio.Event()
+    order: list[bytes] = []
+
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            order.append(request.body)
+            if request.body == b"first":
+                await release.wait()
+            await conn.send(response())
+
+    pool = make_pool(1)
+    async with raw_server(handler) as server, trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: pool.request("POST", server.url(), content=b"first"))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(lambda: pool.request("POST", server.url(), content=b"waiter"))
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+        # Arrives while the waiter still waits: it must queue behind it, not take the slot.
+        await pool.request("POST", server.url(), content=b"late")
+    assert order == [b"first", b"waiter", b"late"]
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+async def test_replicas_share_the_limit_and_idle_connections_of_another_origin_make_room() -> None:
+    pool = make_pool(2)
+    async with raw_server(echo_handler) as a, raw_server(echo_handler) as b:
+        await pool.request("GET", a.url("/a"))
+        async with trio.open_nursery() as nursery:  # two at once: a's conn plus one new
+            nursery.start_soon(pool.request, "GET", a.url("/a"))
+            nursery.start_soon(pool.request, "GET", a.url("/a"))
+        assert pool.statistics() == idle_stats(2)
+        assert (await pool.request("GET", b.url("/b"))).content == b"GET /b "
+        await trio.testing.wait_all_tasks_blocked()
+        assert pool.statistics() == idle_stats(2)
+        assert (a.open, b.open) == (1, 1)
+        # The remaining idle connection of a is the most recent one: LIFO per origin.
+        await pool.request("GET", a.url("/a"))
+        assert a.accepted == 2
+
+
+async def test_waiter_for_another_origin_gets_a_fresh_connection() -> None:
+    release = trio.Event()
+
+    async def slow(conn: RawConnection) -> None:
+        while await conn.receive_request() is not None:
+            await release.wait()
+            await conn.send(response(b"a"))
+
+    pool = make_pool(1)
+    async with raw_server(slow) as a, raw_server(echo_handler) as b:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pool.request, "GET", a.url())
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(pool.request, "GET", b.url("/b"))
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.statistics().waiting == 1
+            release.set()
+        assert pool.statistics() == idle_stats(1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (a.open, b.open) == (0, 1)
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+def server_tls(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+    return context
+
+
+def client_tls(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+async def test_https_request_with_the_ca_trusted(ca: trustme.CA) -> None:
+    pool = make_pool(ssl_context=client_tls(ca))
+    async with raw_server(echo_handler, ssl_context=server_tls(ca)) as server:
+        assert server.url().startswith("https://")
+        for _ in range(3):
+            assert (await pool.request("POST", server.url("/s"), content=b"t")).content == (
+                b"POST /s t"
+            )
+        assert server.accepted == 1
+        await pool.aclose()
+
+
+async def test_https_with_an_untrusted_certificate_is_a_connect_error(ca: trustme.CA) -> None:
+    pool = make_pool(ssl_context=client_tls(trustme.CA()))
+    async with raw_server(echo_handler, ssl_context=server_tls(ca)) as server:
+        with pytest.raises(ConnectError, match=r"TLS handshake .* failed.*CERTIFICATE_VERIFY"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+
+
+# --------------------------------------------------------------------------- aclose
+
+
+async def test_aclose_closes_every_connection_and_the_pool_stays_usable() -> None:
+    pool = make_pool()
+    async with raw_server(echo_handler) as server:
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(pool.request, "GET", server.url())
+        assert pool.statistics() == idle_stats(3)
+        await pool.aclose()
+        await pool.aclose()
+        assert pool.statistics() == idle_stats(0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.open == 0
+        assert (await pool.request("GET", server.url("/again"))).content == b"GET /again "
+        assert pool.statistics() == idle_stats(1)
+
+
+async def test_aclose_fails_requests_in_flight_and_releases_their_slots() -> None:
+    pool = make_pool(1)
+    async with raw_server(never_answer) as server:
+        failures: list[BaseException] = []
+
+        async def in_flight() -> None:
+            try:
+                await pool.request("GET", server.url())
+            except ReadError as exc:
+                failures.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_flight)
+            await trio.testing.wait_all_tasks_blocked()
+            await pool.aclose()
+        assert len(failures) == 1
+        assert pool.statistics() == idle_stats(0)

@@ -1,0 +1,823 @@
+"""A lean Trio-native HTTP/1.1 connection pool on h11: the hot path of :class:`OpenAIInference`.
+
+One :class:`ConnectionPool` serves every origin (all replicas) under one ``max_connections``
+limit. A request takes an idle keep-alive connection of its origin (most recently used
+first), or opens one; at the limit it closes an idle connection of another origin to make
+room, or else waits first-in first-out for a slot, up to ``HTTPTimeouts.pool``. h11 does all
+of the HTTP: framing, chunked and fixed-length bodies, 1xx responses, keep-alive and
+``Connection: close``. What this module adds is the pool and what a pool must guarantee:
+
+1. **No leaked slot, ever.** Whatever ends a request - its response, an error, a timeout, or
+   ``Cancelled`` at any instant - its slot is released before the exception propagates, and a
+   waiting request is woken. A connection whose request did not finish a clean HTTP cycle is
+   closed *synchronously* (its socket closed, no ``await`` in cleanup), so it can never be
+   reused with a half-read response in it.
+2. **Fair waiting.** Slots are handed directly to waiters in the order they started waiting;
+   a request arriving while others wait queues behind them.
+3. **One retry for a stale keep-alive connection.** A server may close an idle connection just
+   as we reuse it. If a *reused* connection fails before a single response byte arrived
+   (reset or EOF on send or on the first read), the request is sent once more on a fresh
+   connection, as httpx does. It is never retried when the connection was new or once any
+   response byte was received. This module's callers send idempotent generation requests;
+   do not use it for requests that must not be sent twice.
+4. **Cheap per request.** One cancel scope per request whose deadline moves forward per phase
+   (connect, write, each read), URLs parsed once, header bytes built once per distinct header
+   set, no scan over the pool's connections.
+
+Timeouts follow httpx's meaning: ``connect`` covers TCP connect and TLS handshake, ``write``
+each ``send_all``, ``read`` the time without a byte from the server, ``pool`` the wait for a
+slot. Not done here (use httpx2 for them): proxies, HTTP/2, streaming bodies, redirects,
+cookies, compression.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+import ssl
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import attrs
+import h11
+import trio
+
+__all__ = [
+    "ConnectError",
+    "ConnectTimeout",
+    "ConnectionPool",
+    "HTTPTimeouts",
+    "LeanHTTPError",
+    "LeanHeaders",
+    "LeanResponse",
+    "LeanTimeout",
+    "NetworkError",
+    "PoolStatistics",
+    "PoolTimeout",
+    "ReadError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "WriteError",
+    "WriteTimeout",
+]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class LeanHTTPError(Exception):
+    """Base of every error :class:`ConnectionPool` raises for a failed request."""
+
+
+class NetworkError(LeanHTTPError):
+    """The connection failed: refused, unreachable, reset, broken pipe, EOF mid-response."""
+
+
+class ConnectError(NetworkError):
+    """Opening the connection (TCP connect or TLS handshake) failed."""
+
+
+class ReadError(NetworkError):
+    """Receiving the response failed (reset, or the server closed the connection mid-way)."""
+
+
+class WriteError(NetworkError):
+    """Sending the request failed (reset or broken pipe)."""
+
+
+class RemoteProtocolError(LeanHTTPError):
+    """The server violated HTTP/1.1, or closed the connection without sending a response."""
+
+
+class LeanTimeout(LeanHTTPError):
+    """Base of the timeouts: one phase of a request took longer than its limit."""
+
+
+class ConnectTimeout(LeanTimeout):
+    """TCP connect plus TLS handshake took longer than ``HTTPTimeouts.connect``."""
+
+
+class ReadTimeout(LeanTimeout):
+    """The server sent nothing for ``HTTPTimeouts.read`` seconds while a response was due."""
+
+
+class WriteTimeout(LeanTimeout):
+    """Sending the request took longer than ``HTTPTimeouts.write``."""
+
+
+class PoolTimeout(LeanTimeout):
+    """No connection slot became free within ``HTTPTimeouts.pool``."""
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _check_timeout(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not (value >= 0):  # also refuses NaN
+        msg = (
+            f"HTTPTimeouts.{attribute.name}={value!r} is invalid: use a number of seconds "
+            "(>= 0), or None for no limit"
+        )
+        raise ValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class HTTPTimeouts:
+    """Time limits in seconds for the phases of a request; ``None`` means no limit.
+
+    Attributes:
+        connect: TCP connect plus TLS handshake of a new connection.
+        read: the longest time without receiving a byte while a response is due.
+        write: one ``send_all`` of the request.
+        pool: waiting for a connection slot when ``max_connections`` are in use.
+    """
+
+    connect: float | None = attrs.field(validator=_check_timeout)
+    read: float | None = attrs.field(validator=_check_timeout)
+    write: float | None = attrs.field(validator=_check_timeout)
+    pool: float | None = attrs.field(validator=_check_timeout)
+
+
+@attrs.frozen(kw_only=True)
+class PoolStatistics:
+    """A snapshot of a :class:`ConnectionPool`.
+
+    Attributes:
+        connections: open connections (idle or in use).
+        idle: open connections waiting in the pool for a request.
+        active: requests holding a connection slot (sending, receiving or connecting).
+        waiting: requests waiting for a slot.
+    """
+
+    connections: int
+    idle: int
+    active: int
+    waiting: int
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class LeanHeaders(Mapping[str, str]):
+    """The response headers: a read-only mapping with case-insensitive names.
+
+    A name sent more than once maps to its values joined by ``", "`` (as in httpx);
+    :meth:`multi_items` gives every field as sent. Names are decoded as ASCII, values as
+    Latin-1 (lossless). The mapping is built on first use, so unread headers cost nothing.
+    """
+
+    __slots__ = ("_fields", "_mapping")
+
+    def __init__(self, fields: Sequence[tuple[bytes, bytes]]) -> None:
+        # h11 hands over lower-cased names, already validated.
+        self._fields = fields
+        self._mapping: dict[str, str] | None = None
+
+    def _built(self) -> dict[str, str]:
+        mapping = self._mapping
+        if mapping is None:
+            mapping = {}
+            for raw_name, raw_value in self._fields:
+                name = raw_name.decode("ascii").lower()
+                value = raw_value.decode("latin-1")
+                mapping[name] = f"{mapping[name]}, {value}" if name in mapping else value
+            self._mapping = mapping
+        return mapping
+
+    def __getitem__(self, name: str) -> str:
+        return self._built()[name.lower()]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._built().get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._built()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def multi_items(self) -> list[tuple[str, str]]:
+        """Every header field as sent, in order: ``(lower-cased name, value)``."""
+        return [(n.decode("ascii").lower(), v.decode("latin-1")) for n, v in self._fields]
+
+    def __repr__(self) -> str:
+        return f"LeanHeaders({self.multi_items()!r})"
+
+
+def _charset(content_type: str | None) -> str:
+    if content_type:
+        for param in content_type.split(";")[1:]:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "charset":
+                name = value.strip().strip("\"'")
+                try:
+                    return codecs.lookup(name).name
+                except LookupError:
+                    break
+    return "utf-8"
+
+
+@attrs.frozen
+class LeanResponse:
+    """A complete HTTP response: status, headers and the whole body.
+
+    Attributes:
+        status_code: the status code, such as 200.
+        reason_phrase: the status line's reason, such as ``"OK"`` (may be empty).
+        headers: the response headers (case-insensitive names).
+        content: the body, de-chunked, as bytes.
+    """
+
+    status_code: int
+    reason_phrase: str
+    headers: LeanHeaders
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        """The body decoded with the ``Content-Type`` charset (default UTF-8), errors replaced."""
+        return self.content.decode(_charset(self.headers.get("content-type")), errors="replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON; :class:`ValueError` (``JSONDecodeError``) if it is not."""
+        return json.loads(self.content)
+
+
+# --------------------------------------------------------------------------- the pool
+
+_CONNECT: Final = "connect"
+_WRITE: Final = "write"
+_READ: Final = "read"
+
+_END_OF_MESSAGE: Final = h11.EndOfMessage()
+_DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+_BODY_METHODS: Final = frozenset({b"POST", b"PUT", b"PATCH"})
+_CACHE_LIMIT: Final = 1024
+#: Seconds an idle connection may wait before its reuse costs a readability probe.
+_PROBE_AFTER: Final = 1.0
+
+
+@attrs.define(eq=False)
+class _Origin:
+    """Scheme, host and port; one object per origin and pool, so it hashes by identity."""
+
+    scheme: str
+    host: str
+    port: int
+    host_header: bytes
+    idle: list[_Connection] = attrs.field(factory=list)  # LIFO: the last is the most recent
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "https"
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.host_header.decode('ascii')}"
+
+
+@attrs.define(eq=False)
+class _Connection:
+    origin: _Origin
+    stream: trio.abc.Stream
+    socket: trio.socket.SocketType  # closed synchronously to drop the connection
+    h11: h11.Connection
+    last_used: float = 0.0
+    phase: str = _WRITE
+    closed: bool = False
+
+
+@attrs.frozen(eq=False)
+class _Target:
+    origin: _Origin
+    target: bytes  # path and query, as sent in the request line
+
+
+@attrs.frozen(kw_only=True)
+class _Head:
+    """A request's head for one URL, method and header set, built and validated once.
+
+    h11 serializes the real head once; per request only ``Content-Length`` and the body
+    are appended. Each connection's h11 state machine is driven with ``standin``, a request
+    of the same method and keep-alive intent and an empty body: all h11 needs to read the
+    response (HEAD has no body; ``Connection: close`` ends the connection), at a fraction of
+    the cost of building and serializing the full request event each time.
+    """
+
+    prefix: bytes  # request line and headers, up to the Content-Length field
+    standin: h11.Request
+    body_method: bool  # POST/PUT/PATCH: send Content-Length even for an empty body
+
+
+class _Fresh:
+    """The slot is held but has no connection yet: open one."""
+
+
+_FRESH: Final = _Fresh()
+
+
+class _StaleConnection(Exception):
+    """A reused connection failed before any response byte: send once more on a new one."""
+
+
+OpenStream = Callable[[str, int], Awaitable[trio.SocketStream]]
+
+
+class ConnectionPool:
+    """An HTTP/1.1 client connection pool for Trio, shared by every origin.
+
+    Args:
+        max_connections: the most connections open at once, over all origins; also the
+            most requests in flight (each request holds one connection).
+        keepalive_expiry: seconds an idle connection may be kept; an older one is closed
+            instead of reused.
+        timeouts: the limits for connect, write, read and waiting for a slot.
+        ssl_context: the TLS configuration for ``https`` URLs; by default
+            :func:`ssl.create_default_context` (system CAs, hostname checking).
+        user_agent: the ``User-Agent`` header sent unless the request sets its own.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        keepalive_expiry: float,
+        timeouts: HTTPTimeouts,
+        ssl_context: ssl.SSLContext | None = None,
+        user_agent: str = "trio-rollouts",
+        _open_stream: OpenStream | None = None,
+    ) -> None:
+        if max_connections < 1:
+            msg = f"max_connections={max_connections!r} is invalid: it must be at least 1"
+            raise ValueError(msg)
+        if not keepalive_expiry >= 0:
+            msg = (
+                f"keepalive_expiry={keepalive_expiry!r} is invalid: use the seconds an idle "
+                "connection may be kept (>= 0)"
+            )
+            raise ValueError(msg)
+        self._max = max_connections
+        self._keepalive_expiry = keepalive_expiry
+        self._timeouts = timeouts
+        self._ssl_context = ssl_context
+        self._user_agent = user_agent.encode("ascii")
+        # Tests inject an opener to simulate slow or failing connects (only loopback is real).
+        self._open_stream: OpenStream = _open_stream or trio.open_tcp_stream
+        self._origins: dict[tuple[str, str, int], _Origin] = {}
+        self._targets: dict[str, _Target] = {}
+        self._heads: dict[tuple[_Target, str, tuple[tuple[str, str], ...]], _Head] = {}
+        self._connections: set[_Connection] = set()
+        self._idle_count = 0
+        self._active = 0
+        self._lot = trio.lowlevel.ParkingLot()
+        self._waiting_origin: dict[trio.lowlevel.Task, _Origin] = {}
+        self._grants: dict[trio.lowlevel.Task, _Connection | _Fresh] = {}
+
+    # ----------------------------------------------------------------- public API
+
+    def statistics(self) -> PoolStatistics:
+        """Open, idle and in-use connections, and the requests waiting for a slot."""
+        return PoolStatistics(
+            connections=len(self._connections),
+            idle=self._idle_count,
+            active=self._active,
+            waiting=len(self._lot),
+        )
+
+    async def aclose(self) -> None:
+        """Close every connection, idle or in use; the pool stays usable.
+
+        Requests in flight on a closed connection fail with :class:`ReadError` or
+        :class:`WriteError`; waiting requests are then given slots and open new
+        connections, as is any later request. Idempotent. The connections are closed
+        synchronously before the checkpoint, so they are closed even if this is cancelled.
+        """
+        for origin in self._origins.values():
+            self._idle_count -= len(origin.idle)
+            origin.idle.clear()
+        for conn in list(self._connections):
+            self._discard(conn)
+        self._dispatch()
+        await trio.lowlevel.checkpoint()
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: Sequence[tuple[str, str]] = (),
+        content: bytes = b"",
+    ) -> LeanResponse:
+        """Send one request and return the whole response.
+
+        Args:
+            method: the HTTP method, such as ``"POST"``.
+            url: an absolute ``http://`` or ``https://`` URL (IPv6 hosts in brackets).
+            headers: extra request headers; ``Host``, ``User-Agent`` (unless given) and
+                ``Content-Length`` are added.
+            content: the request body.
+
+        Raises:
+            ValueError: the URL or a header is invalid (nothing was sent).
+            ConnectError, ReadError, WriteError: the connection failed.
+            RemoteProtocolError: the server broke HTTP/1.1 or closed without answering.
+            ConnectTimeout, ReadTimeout, WriteTimeout, PoolTimeout: a phase took too long.
+
+        Always a checkpoint (it does I/O). Cancellation at any point is safe: the request is
+        abandoned, its connection closed unless it had completed a clean HTTP cycle, and its
+        slot released (a waiter woken) before ``Cancelled`` propagates. A request on a
+        reused connection that fails before any response byte arrives is sent once more on
+        a new connection (see the module docstring); no other request is retried.
+        """
+        target = self._targets.get(url)
+        if target is None:
+            target = self._parse(url)
+        origin = target.origin
+        head = self._head(method, target, headers)
+
+        got: _Connection | _Fresh | None = None
+        if not self._lot:  # never overtake a waiting request
+            got = self._take(origin, trio.current_time())
+        if got is None:
+            got = await self._wait_for_slot(origin)
+        # From here on this task holds a slot: every way out releases it.
+        conn = None if isinstance(got, _Fresh) else got
+        timeouts = self._timeouts
+        try:
+            with trio.CancelScope() as scope:
+                while True:
+                    reused = conn is not None
+                    if conn is None:
+                        if timeouts.connect is not None:
+                            scope.deadline = trio.current_time() + timeouts.connect
+                        else:  # a retry comes here with the read deadline set
+                            scope.deadline = math.inf
+                        conn = await self._connect(origin)
+                    try:
+                        response = await self._exchange(conn, head, content, scope, reused)
+                        break
+                    except _StaleConnection:
+                        self._discard(conn)
+                        conn = None
+            if scope.cancelled_caught or conn is None:  # (conn is set unless it timed out)
+                raise self._timeout_error(conn, origin)
+            h = conn.h11
+            keep = h.our_state is h11.DONE and h.their_state is h11.DONE
+            if keep and not h.trailing_data[0]:
+                h.start_next_cycle()
+                conn.last_used = trio.current_time()
+            else:
+                self._discard(conn)
+                conn = None
+        except BaseException:
+            if conn is not None:
+                self._discard(conn)
+            self._release(None)
+            raise
+        self._release(conn)
+        return response
+
+    # ----------------------------------------------------------------- one request
+
+    async def _exchange(
+        self,
+        conn: _Connection,
+        head: _Head,
+        content: bytes,
+        scope: trio.CancelScope,
+        reused: bool,
+    ) -> LeanResponse:
+        """Send the request on ``conn`` and read its response; the caller cleans up."""
+        h = conn.h11
+        stream = conn.stream
+        timeouts = self._timeouts
+        conn.phase = _WRITE
+        # h11 tracks the request through a stand-in of the same method (see _Head); the
+        # bytes sent are the real head, serialized by h11 once per distinct header set.
+        h.send(head.standin)
+        h.send(_END_OF_MESSAGE)
+        if content or head.body_method:
+            data = b"%sContent-Length: %d\r\n\r\n%s" % (head.prefix, len(content), content)
+        else:
+            data = head.prefix + b"\r\n"
+        # The deadline carries over from the previous phase (connect): always reset it.
+        if timeouts.write is not None:
+            scope.deadline = trio.current_time() + timeouts.write
+        elif scope.deadline != math.inf:
+            scope.deadline = math.inf
+        try:
+            await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            if reused and isinstance(exc, trio.BrokenResourceError):
+                raise _StaleConnection from exc
+            msg = f"sending the request to {conn.origin} failed: {_describe(exc)}"
+            raise WriteError(msg) from exc
+
+        conn.phase = _READ
+        read_timeout = timeouts.read
+        if read_timeout is None and scope.deadline != math.inf:
+            scope.deadline = math.inf
+        received = 0
+        status = 0
+        reason = b""
+        fields: Sequence[tuple[bytes, bytes]] = ()
+        chunks: list[bytes | bytearray] = []
+        while True:
+            try:
+                got = h.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise self._protocol_error(conn, exc, received) from exc
+            if got is h11.NEED_DATA:
+                if read_timeout is not None:
+                    scope.deadline = trio.current_time() + read_timeout
+                try:
+                    chunk = await stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    if reused and not received and isinstance(exc, trio.BrokenResourceError):
+                        raise _StaleConnection from exc
+                    msg = (
+                        f"receiving the response from {conn.origin} failed after {received} "
+                        f"bytes: {_describe(exc)}"
+                    )
+                    raise ReadError(msg) from exc
+                if not chunk and not received:
+                    if reused:
+                        raise _StaleConnection
+                    msg = f"{conn.origin} closed the connection without sending a response"
+                    raise RemoteProtocolError(msg)
+                received += len(chunk)
+                h.receive_data(bytes(chunk))  # (no copy: it is bytes already)
+                continue
+            if isinstance(got, h11.Data):
+                chunks.append(got.data)
+            elif isinstance(got, h11.Response):
+                status = got.status_code
+                reason = got.reason
+                fields = got.headers
+            elif isinstance(got, h11.EndOfMessage):
+                break
+            elif isinstance(got, h11.ConnectionClosed):
+                msg = f"{conn.origin} closed the connection mid-response after {received} bytes"
+                raise ReadError(msg)
+            # InformationalResponse (1xx): skipped; h11 then reads the final response.
+        body = bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
+        return LeanResponse(status, reason.decode("latin-1"), LeanHeaders(fields), body)
+
+    def _protocol_error(
+        self, conn: _Connection, exc: h11.RemoteProtocolError, received: int
+    ) -> LeanHTTPError:
+        if conn.h11.trailing_data[1]:  # we fed h11 the EOF: the server hung up mid-response
+            msg = f"{conn.origin} closed the connection mid-response after {received} bytes ({exc})"
+            return ReadError(msg)
+        msg = f"{conn.origin} sent an invalid HTTP/1.1 response: {exc}"
+        return RemoteProtocolError(msg)
+
+    def _timeout_error(self, conn: _Connection | None, origin: _Origin) -> LeanTimeout:
+        timeouts = self._timeouts
+        if conn is None:
+            msg = (
+                f"connecting to {origin} took longer than the connect timeout of "
+                f"{timeouts.connect} s; raise HTTPTimeouts.connect if the server is slow "
+                "to accept"
+            )
+            return ConnectTimeout(msg)
+        if conn.phase == _WRITE:
+            msg = (
+                f"sending the request to {origin} took longer than the write timeout of "
+                f"{timeouts.write} s; raise HTTPTimeouts.write"
+            )
+            return WriteTimeout(msg)
+        msg = (
+            f"{origin} sent nothing for the read timeout of {timeouts.read} s; raise "
+            "HTTPTimeouts.read if the server takes longer to answer"
+        )
+        return ReadTimeout(msg)
+
+    def _head(self, method: str, target: _Target, headers: Sequence[tuple[str, str]]) -> _Head:
+        key = (target, method, headers if type(headers) is tuple else tuple(headers))
+        head = self._heads.get(key)
+        if head is None:
+            head = self._build_head(*key)
+        return head
+
+    def _build_head(
+        self, target: _Target, method: str, headers: tuple[tuple[str, str], ...]
+    ) -> _Head:
+        try:
+            method_bytes = method.encode("ascii")
+            given = [(name.encode("ascii"), value.encode("latin-1")) for name, value in headers]
+        except UnicodeEncodeError as exc:
+            msg = f"cannot encode {method} {headers!r} for HTTP/1.1: {exc}"
+            raise ValueError(msg) from None
+        names = {name.lower() for name, _ in given}
+        if b"transfer-encoding" in names:
+            msg = (
+                f"headers={headers!r}: do not set Transfer-Encoding; the pool sends the body "
+                "with Content-Length"
+            )
+            raise ValueError(msg)
+        fields = [] if b"host" in names else [(b"Host", target.origin.host_header)]
+        if b"user-agent" not in names:
+            fields.append((b"User-Agent", self._user_agent))
+        fields += [pair for pair in given if pair[0].lower() != b"content-length"]
+        close = any(
+            name.lower() == b"connection"
+            and b"close" in value.lower().replace(b" ", b"").split(b",")
+            for name, value in given
+        )
+        try:
+            request = h11.Request(method=method_bytes, target=target.target, headers=fields)
+            standin = h11.Request(
+                method=method_bytes,
+                target=b"/",
+                headers=[(b"Host", b"-"), *([(b"Connection", b"close")] if close else [])],
+            )
+            serialized = h11.Connection(h11.CLIENT).send(request)
+        except h11.LocalProtocolError as exc:
+            msg = f"invalid request {method} {target.origin} with headers={headers!r}: {exc}"
+            raise ValueError(msg) from None
+        head = _Head(
+            prefix=serialized[:-2],  # without the blank line that ends the head
+            standin=standin,
+            body_method=method_bytes in _BODY_METHODS,
+        )
+        if len(self._heads) >= _CACHE_LIMIT:
+            self._heads.clear()
+        self._heads[target, method, headers] = head
+        return head
+
+    def _parse(self, url: str) -> _Target:
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            msg = f"invalid URL {url!r}: {exc}"
+            raise ValueError(msg) from None
+        scheme = parts.scheme.lower()
+        host = parts.hostname
+        if scheme not in _DEFAULT_PORTS or not host:
+            msg = f"unsupported URL {url!r}: use an absolute http:// or https:// URL with a host"
+            raise ValueError(msg)
+        if port is None:
+            port = _DEFAULT_PORTS[scheme]
+        path = parts.path or "/"
+        if parts.query:
+            path = f"{path}?{parts.query}"
+        try:
+            target_bytes = path.encode("ascii")
+            host_header = f"[{host}]" if ":" in host else host
+            if port != _DEFAULT_PORTS[scheme]:
+                host_header = f"{host_header}:{port}"
+            host_bytes = host_header.encode("ascii")
+        except UnicodeEncodeError:
+            msg = f"unsupported URL {url!r}: percent-encode its path and use an ASCII host"
+            raise ValueError(msg) from None
+        origin = self._origins.get((scheme, host, port))
+        if origin is None:
+            origin = self._origins[scheme, host, port] = _Origin(scheme, host, port, host_bytes)
+        target = _Target(origin, target_bytes)
+        if len(self._targets) >= _CACHE_LIMIT:
+            self._targets.clear()
+        self._targets[url] = target
+        return target
+
+    # ----------------------------------------------------------------- connections
+
+    async def _connect(self, origin: _Origin) -> _Connection:
+        try:
+            # trio.SocketStream sets TCP_NODELAY itself.
+            tcp = await self._open_stream(origin.host, origin.port)
+        except OSError as exc:
+            msg = f"could not connect to {origin}: {_describe(exc)}"
+            raise ConnectError(msg) from exc
+        stream: trio.abc.Stream = tcp
+        sock = tcp.socket
+        if origin.tls:
+            tls = trio.SSLStream(
+                tcp, self._tls_context(), server_hostname=origin.host, https_compatible=True
+            )
+            try:
+                await tls.do_handshake()
+            except BaseException as exc:
+                sock.close()
+                if isinstance(exc, trio.BrokenResourceError):
+                    msg = f"the TLS handshake with {origin} failed: {_describe(exc)}"
+                    raise ConnectError(msg) from exc
+                raise
+            stream = tls
+        conn = _Connection(origin, stream, sock, h11.Connection(h11.CLIENT))
+        self._connections.add(conn)
+        return conn
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            context = ssl.create_default_context()
+            context.set_alpn_protocols(["http/1.1"])
+            self._ssl_context = context
+        return self._ssl_context
+
+    def _discard(self, conn: _Connection) -> None:
+        """Close ``conn`` now, synchronously (safe in any cleanup path, even cancelled)."""
+        if not conn.closed:
+            conn.closed = True
+            conn.socket.close()
+            self._connections.discard(conn)
+
+    def _usable(self, conn: _Connection, now: float) -> bool:
+        idle = now - conn.last_used
+        if idle > self._keepalive_expiry:
+            return False
+        # An idle HTTP/1.1 connection that is readable has EOF or garbage waiting. The
+        # probe is a system call, so a connection idle for less than _PROBE_AFTER is
+        # taken without it: servers close idle connections after seconds, not
+        # milliseconds, and one that did is caught by the stale-connection retry.
+        return idle < _PROBE_AFTER or not conn.socket.is_readable()
+
+    # ----------------------------------------------------------------- slots
+
+    def _take(self, origin: _Origin, now: float) -> _Connection | _Fresh | None:
+        """Claim a slot for ``origin`` if one is free: an idle connection, or room for a new
+        one (closing another origin's idle connection if needed). ``None``: wait."""
+        idle = origin.idle
+        while idle:
+            conn = idle.pop()
+            self._idle_count -= 1
+            if self._usable(conn, now):
+                self._active += 1
+                return conn
+            self._discard(conn)
+        if self._active + self._idle_count >= self._max:
+            if not self._idle_count:
+                return None
+            self._evict_idle()
+        self._active += 1
+        return _FRESH
+
+    def _evict_idle(self) -> None:
+        """Close the least recently used idle connection (of another origin)."""
+        oldest: list[_Connection] | None = None
+        for origin in self._origins.values():
+            idle = origin.idle
+            if idle and (oldest is None or idle[0].last_used < oldest[0].last_used):
+                oldest = idle
+        if oldest is not None:
+            self._idle_count -= 1
+            self._discard(oldest.pop(0))
+
+    async def _wait_for_slot(self, origin: _Origin) -> _Connection | _Fresh:
+        task = trio.lowlevel.current_task()
+        self._waiting_origin[task] = origin
+        try:
+            with trio.move_on_after(
+                math.inf if self._timeouts.pool is None else self._timeouts.pool
+            ):
+                await self._lot.park()
+        finally:
+            self._waiting_origin.pop(task, None)
+        # A slot handed over by _dispatch (which also unparked us) is in _grants; if park
+        # ended by the timeout instead, there is none and nothing to give back.
+        got = self._grants.pop(task, None)
+        if got is None:
+            msg = (
+                f"no connection slot for {origin} became free within the pool timeout of "
+                f"{self._timeouts.pool} s (max_connections={self._max}); raise "
+                "HTTPTimeouts.pool or max_connections, or send fewer requests at once"
+            )
+            raise PoolTimeout(msg)
+        return got
+
+    def _release(self, conn: _Connection | None) -> None:
+        """Give back a slot, with its connection to keep idle (or ``None``: it was closed)."""
+        self._active -= 1
+        if conn is not None:
+            conn.origin.idle.append(conn)
+            self._idle_count += 1
+        if self._lot:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiters, first come first served, while any are free.
+
+        A slot is free when a connection is idle (of any origin: _take closes another
+        origin's idle connection to make room) or fewer than max_connections are in use,
+        so _take cannot return None here.
+        """
+        now = trio.current_time()
+        while self._lot and (self._idle_count or self._active < self._max):
+            (task,) = self._lot.unpark()
+            got = self._take(self._waiting_origin.pop(task), now)
+            if got is not None:
+                self._grants[task] = got
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception and its cause, e.g. ``BrokenResourceError: ConnectionResetError(104...)``."""
+    cause = exc.__cause__ or exc.__context__
+    text = str(exc) or type(exc).__name__
+    if cause is not None and str(cause) not in text:
+        text = f"{text} ({type(cause).__name__}: {cause})"
+    return text
