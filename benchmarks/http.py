@@ -33,7 +33,7 @@ COMPARE = REPO.parent / "shared" / "bench" / "http" / "compare.py"
 
 DEFAULT_CLIENTS = "trio_rollouts,aiohttp-uvloop,openai-asyncio,raw-trio"
 DEFAULT_CONFIGS = "256,512@20"
-VERSIONS = ("trio", "h11", "httpx2", "aiohttp", "uvloop", "openai", "stamina")
+VERSIONS = ("trio", "h11", "httptools", "httpx2", "aiohttp", "uvloop", "openai", "stamina")
 
 
 def describe_machine() -> list[str]:

@@ -1,13 +1,16 @@
 """The lean HTTP/1.1 connection pool (``inference/_lean_http.py``), specified against real
 sockets on 127.0.0.1: a scriptable raw server (``_raw_http_server``) writes exactly the bytes
-each test needs. Timeouts run on Trio's autojump clock, so no test waits for real time."""
+each test needs. Timeouts run on Trio's autojump clock, so no test waits for real time.
+
+Every test runs twice, once per response parser (llhttp through httptools, and h11): the
+two must behave the same, down to the error classes."""
 
 from __future__ import annotations
 
 import random
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import trio
@@ -23,6 +26,7 @@ from _raw_http_server import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trio_rollouts.inference import _lean_http
 from trio_rollouts.inference._lean_http import (
     ConnectError,
     ConnectionPool,
@@ -43,12 +47,31 @@ TIMEOUTS = HTTPTimeouts(connect=5.0, read=5.0, write=5.0, pool=5.0)
 
 
 _POOLS: list[ConnectionPool] = []
+_PARSER = ["h11"]  # the response parser of the pools make_pool makes (set per test)
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        pytest.param(
+            "llhttp",
+            marks=pytest.mark.skipif(not _lean_http._HAVE_LLHTTP, reason="needs httptools"),
+        ),
+        "h11",
+    ],
+)
+def parser(request: pytest.FixtureRequest) -> str:
+    """Run the test with pools parsing responses with llhttp, then with h11."""
+    _PARSER[0] = request.param
+    return str(request.param)
 
 
 def make_pool(max_connections: int = 4, **kwargs: object) -> ConnectionPool:
     kwargs.setdefault("keepalive_expiry", 30.0)
     kwargs.setdefault("timeouts", TIMEOUTS)
+    kwargs.setdefault("_parser", _PARSER[0])
     pool = ConnectionPool(max_connections=max_connections, **kwargs)  # type: ignore[arg-type]
+    assert pool._llhttp == (kwargs["_parser"] == "llhttp")
     _POOLS.append(pool)
     return pool
 
@@ -295,6 +318,8 @@ HEADER_VALUES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_ /;=", m
     pauses=st.lists(st.integers(0, 3), max_size=5),
     status=st.sampled_from([200, 201, 204, 400, 429, 500, 503]),
     extra=st.lists(st.tuples(st.sampled_from(["x-a", "x-b", "retry-after"]), HEADER_VALUES)),
+    blanks=st.sampled_from([b"", b" ", b"  ", b"\t "]),
+    informational=st.booleans(),
 )
 async def test_responses_split_at_any_byte_boundary_parse_to_what_was_sent(
     bodies: list[bytes],
@@ -304,17 +329,20 @@ async def test_responses_split_at_any_byte_boundary_parse_to_what_was_sent(
     pauses: list[int],
     status: int,
     extra: list[tuple[str, str]],
+    blanks: bytes,
+    informational: bool,
 ) -> None:
     if status == 204:
         bodies = [b"" for _ in bodies]
     headers = [(name.encode(), value.encode()) for name, value in extra]
 
     def wire(body: bytes) -> bytes:
-        return response(
+        early = b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" if informational else b""
+        return early + response(
             body,
             status=status,
             reason=b"Whatever",
-            headers=headers,
+            headers=[(name, b"%s%s%s" % (blanks, value, blanks)) for name, value in headers],
             chunks=chunk_sizes if chunked and status != 204 else None,
         )
 
@@ -340,6 +368,208 @@ async def test_responses_split_at_any_byte_boundary_parse_to_what_was_sent(
         assert server.accepted == 1
         assert pool.statistics() == idle_stats(1)
         await pool.aclose()
+
+
+# --------------------------------------------------------------------------- parser corners
+# Where llhttp and h11 could differ; each runs on both parsers, which must agree.
+
+
+def one_response_handler(
+    wire: bytes, *, then_close: bool = False, pieces: bool = False
+) -> Callable[[RawConnection], Awaitable[None]]:
+    """A handler answering each request with ``wire`` (byte by byte if ``pieces``)."""
+
+    async def handler(conn: RawConnection) -> None:
+        while await conn.receive_request() is not None:
+            if pieces:
+                await conn.send_in_pieces(wire, list(range(len(wire))), [1])
+            else:
+                await conn.send(wire)
+            if then_close:
+                conn.close()
+                return
+
+    return handler
+
+
+async def test_response_sent_byte_by_byte_with_informational_chunked_and_trailers() -> None:
+    wire = (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 Fine Thanks\r\nX-Name:   padded  \r\nTransfer-Encoding: chunked\r\n"
+        b"Trailer: X-Sum\r\n\r\n"
+        b"3\r\nabc\r\n1;ext=1\r\nd\r\n0\r\nX-Sum: 99\r\n\r\n"
+    )
+    pool = make_pool()
+    async with raw_server(one_response_handler(wire, pieces=True)) as server:
+        for _ in range(2):
+            reply = await pool.request("POST", server.url(), content=b"x")
+            assert (reply.status_code, reply.reason_phrase, reply.content) == (
+                200,
+                "Fine Thanks",
+                b"abcd",
+            )
+            assert reply.headers["x-name"] == "padded"
+            assert "x-sum" not in reply.headers  # trailers are not headers (as with h11)
+            assert "link" not in reply.headers  # nor are the 1xx responses' headers
+        assert server.accepted == 1
+
+
+@pytest.mark.parametrize("pieces", [False, True])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n\r\n",
+    ],
+)
+async def test_body_delimited_by_eof_is_complete_at_eof(head: bytes, pieces: bool) -> None:
+    body = bytes(range(256)) * 30
+    pool = make_pool()
+    async with raw_server(one_response_handler(head + body, then_close=True, pieces=pieces)) as s:
+        for expected in (body, body):
+            assert (await pool.request("GET", s.url())).content == expected
+        assert s.accepted == 2
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_empty_body_delimited_by_eof() -> None:
+    wire = b"HTTP/1.0 200 OK\r\n\r\n"
+    pool = make_pool()
+    async with raw_server(one_response_handler(wire, then_close=True)) as server:
+        reply = await pool.request("GET", server.url())
+        assert (reply.status_code, reply.content) == (200, b"")
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_http10_keep_alive_response_is_not_reused() -> None:
+    wire = b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok"
+    pool = make_pool()
+    async with raw_server(one_response_handler(wire)) as server:
+        for _ in range(2):
+            assert (await pool.request("GET", server.url())).content == b"ok"
+        assert server.accepted == 2  # h11 never keeps an HTTP/1.0 connection; nor does llhttp
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_request_with_connection_close_does_not_keep_the_connection() -> None:
+    pool = make_pool()
+    async with raw_server(echo_handler) as server:
+        for _ in range(2):
+            reply = await pool.request("GET", server.url("/c"), headers=[("Connection", "close")])
+            assert reply.content == b"GET /c "
+        assert server.accepted == 2
+        assert pool.statistics() == idle_stats(0)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [b"garbage", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra", b"HTTP/1.1 2"],
+)
+async def test_bytes_after_the_response_keep_the_response_but_close_the_connection(
+    after: bytes,
+) -> None:
+    pool = make_pool()
+    async with raw_server(one_response_handler(response(b"first") + after)) as server:
+        for _ in range(2):
+            reply = await pool.request("GET", server.url())
+            assert (reply.status_code, reply.content) == (200, b"first")
+            assert pool.statistics() == idle_stats(0)
+        assert server.accepted == 2
+
+
+async def test_eof_after_only_an_informational_response_is_a_read_error() -> None:
+    wire = b"HTTP/1.1 100 Continue\r\n\r\n"
+    pool = make_pool()
+    async with raw_server(one_response_handler(wire, then_close=True)) as server:
+        with pytest.raises(ReadError, match="mid-response after 25 bytes"):
+            await pool.request("POST", server.url(), content=b"x")
+        assert pool.statistics() == idle_stats(0)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nzzz",  # h11 knows only chunked
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: nope\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nBad Name: x\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ],
+)
+async def test_invalid_responses_are_remote_protocol_errors(wire: bytes) -> None:
+    pool = make_pool()
+    async with raw_server(one_response_handler(wire)) as server:
+        with pytest.raises(RemoteProtocolError, match=r"invalid HTTP/1\.1 response"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",  # bare LF line ends
+        b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\nContent-Length: 2\r\n\r\nok",  # obsolete folding
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+    ],
+)
+async def test_llhttp_refuses_what_h11_tolerates_in_rare_corners(wire: bytes, parser: str) -> None:
+    """The documented difference: llhttp runs strict (no "dangerous leniencies")."""
+    pool = make_pool()
+    async with raw_server(one_response_handler(wire)) as server:
+        if parser == "llhttp":
+            with pytest.raises(RemoteProtocolError, match=r"invalid HTTP/1\.1 response"):
+                await pool.request("GET", server.url())
+        else:
+            assert (await pool.request("GET", server.url())).content == b"ok"
+
+
+async def test_endless_response_head_is_a_remote_protocol_error() -> None:
+    async def handler(conn: RawConnection) -> None:
+        await conn.receive_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\n")
+        for i in range(1000):
+            await conn.send(b"X-Filler-%d: %s\r\n" % (i, b"f" * 100))
+        await conn.receive_request()
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        with pytest.raises(RemoteProtocolError, match=r"invalid HTTP/1\.1 response"):
+            await pool.request("GET", server.url())
+        assert pool.statistics() == idle_stats(0)
+
+
+async def test_head_and_other_requests_share_a_connection() -> None:
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            if request.method == "HEAD":
+                await conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            else:
+                await conn.send(echo(request))
+
+    pool = make_pool()
+    async with raw_server(handler) as server:
+        for i in range(3):
+            assert (await pool.request("HEAD", server.url())).content == b""
+            reply = await pool.request("POST", server.url("/p"), content=b"%d" % i)
+            assert reply.content == b"POST /p %d" % i
+        assert server.accepted == 1
+
+
+async def test_parser_choice() -> None:
+    expected = _lean_http._HAVE_LLHTTP
+    pool = ConnectionPool(max_connections=1, keepalive_expiry=1, timeouts=TIMEOUTS)
+    assert pool._llhttp == expected
+    with pytest.raises(ValueError, match="_parser='bogus'"):
+        ConnectionPool(
+            max_connections=1,
+            keepalive_expiry=1,
+            timeouts=TIMEOUTS,
+            _parser="bogus",  # type: ignore[arg-type]
+        )
 
 
 # --------------------------------------------------------------------------- broken connections

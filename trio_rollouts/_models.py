@@ -163,7 +163,12 @@ class GenerationArgs:
 
     def set_fields(self) -> dict[str, int | float]:
         """The fields that are set, as a dict (what a backend forwards)."""
-        return {k: v for k, v in attrs.asdict(self, recurse=False).items() if v is not None}
+        return {
+            name: value for name in _GENERATION_FIELDS if (value := getattr(self, name)) is not None
+        }
+
+
+_GENERATION_FIELDS = tuple(field.name for field in attrs.fields(GenerationArgs))
 
 
 # --------------------------------------------------------------------------- requests

@@ -100,6 +100,10 @@ _KEEPALIVE_EXPIRY = 5.0
 #: How long closing the client at the end of a run may take before it is abandoned.
 _CLOSE_GRACE = 5.0
 
+#: The request body's JSON, compact (one encoder: ``json.dumps`` with options makes one
+#: per call).
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
 #: Server messages are cut to this many characters in errors.
 _MAX_SERVER_MESSAGE = 500
 
@@ -687,7 +691,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         client = state.client
         try:
             if isinstance(client, ConnectionPool):
-                content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+                content = _encode_json(body).encode()
                 return await client.request(
                     "POST", url, headers=self._lean_headers, content=content
                 )
