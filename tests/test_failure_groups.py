@@ -458,3 +458,38 @@ def test_the_policy_ledger_on_random_schedules(
             assert stats.raised == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("filtering", [False, True], ids=["fast", "slow"])
+async def test_an_error_raised_as_the_deadline_cancels_the_agents_nursery_is_retried(
+    autojump_clock: trio.testing.MockClock, filtering: bool
+) -> None:
+    """At the deadline, one sample of the agent's nursery turns the cancellation into a
+    transient error (as an HTTP client may) while the other is cancelled: the group
+    holds the error beside a Cancelled, and the error, not the Cancelled, is what the
+    policy sees and retries."""
+
+    async def sample(convert: bool) -> None:
+        try:
+            await trio.sleep(10)
+        except trio.Cancelled:
+            if convert:
+                raise Flaky("connection dropped at the deadline") from None
+            raise
+
+    async def script(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        if agent.calls == 1:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sample, True)
+                nursery.start_soon(sample, False)
+        return rollouts([0.0, float(agent.calls)])
+
+    a = ScriptedAgent(
+        script=script, failure_policy=policy(group_timeout=5, max_attempts=2, wait_initial=1)
+    )
+    async with a.get_grouped_rollouts(request(filter_groups_with_same_reward=filtering)) as s:
+        group = await s.receive()
+    assert group[1].reward == 2.0
+    stats = s.statistics()
+    assert (stats.failed, stats.retries, stats.raised, stats.unaccounted) == (1, 1, 0, 0)
+    assert stats.last_errors == ("Flaky: connection dropped at the deadline",)

@@ -128,6 +128,16 @@ def _is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, trio.Cancelled)
 
 
+def _without_cancelled(exc: BaseException) -> BaseException:
+    """``exc`` less its ``Cancelled`` leaves (which belong to a cancel scope that is
+    gone once the worker leaves its timer); ``exc`` must hold another failure."""
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(trio.Cancelled)
+        if rest is not None:
+            return rest
+    return exc
+
+
 #: What a worker was doing when the watchdog cancelled its timer: the slot, and the
 #: call's result or (when the flag is true) its failure, already booked.
 _Resume = tuple[int, int, object, bool]
@@ -318,7 +328,7 @@ class _Pipeline:
                             outcome = (
                                 self.timeout_error(batch_id, index)
                                 if _is_cancellation(exc)
-                                else exc
+                                else _without_cancelled(exc)
                             )
                             self.call_raised(outcome, None)
                             return (batch_id, index, outcome, True)
