@@ -493,3 +493,33 @@ async def test_an_error_raised_as_the_deadline_cancels_the_agents_nursery_is_ret
     stats = s.statistics()
     assert (stats.failed, stats.retries, stats.raised, stats.unaccounted) == (1, 1, 0, 0)
     assert stats.last_errors == ("Flaky: connection dropped at the deadline",)
+
+
+@pytest.mark.parametrize("on_failure", ["raise", "skip"])
+@pytest.mark.parametrize("filtering", [False, True], ids=["fast", "slow"])
+async def test_leaving_while_a_timed_out_call_unwinds_is_a_cancellation(
+    autojump_clock: trio.testing.MockClock, filtering: bool, on_failure: str
+) -> None:
+    """The deadline fires at t=5, the call's shielded cleanup takes 1 s, and the consumer
+    leaves cleanly at t=5.5: the call ended in the shutdown. It is counted as
+    cancelled, and neither raised nor skipped (nothing leaves the clean exit)."""
+
+    async def script(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        try:
+            await trio.sleep(9)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(1)  # closing a connection, say
+        return rollouts([0.0, 1.0])  # pragma: no cover
+
+    a = ScriptedAgent(
+        script=script,
+        parallel_generation_tasks=1,
+        failure_policy=policy(group_timeout=5, on_failure=on_failure, skip_budget=0),
+    )
+    req = request(streaming=True, filter_groups_with_same_reward=filtering)
+    async with a.get_grouped_rollouts(req) as stream:
+        await trio.sleep(5.5)
+    stats = stream.statistics()
+    assert (stats.cancelled, stats.timeouts, stats.failed) == (1, 0, 0)
+    assert (stats.raised, stats.skipped, stats.unaccounted) == (0, 0, 0)

@@ -1051,3 +1051,34 @@ async def test_aclose_fails_requests_in_flight_and_releases_their_slots() -> Non
             await pool.aclose()
         assert len(failures) == 1
         assert pool.statistics() == idle_stats(0)
+
+
+async def test_a_waiter_handed_a_connection_just_before_aclose_opens_a_new_one() -> None:
+    """aclose() right after a slot was handed to a waiter that has not run yet: the
+    waiter must not be given the connection aclose() just closed."""
+    release = trio.Event()
+
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            if request.body == b"A":
+                await release.wait()
+            await conn.send(response())
+
+    pool = make_pool(max_connections=1)
+    results: dict[str, object] = {}
+
+    async def first(url: str) -> None:
+        results["A"] = (await pool.request("POST", url, content=b"A")).status_code
+        await pool.aclose()  # no checkpoint between the release of A's slot and this
+
+    async def second(url: str) -> None:
+        results["B"] = (await pool.request("POST", url, content=b"B")).status_code
+
+    async with raw_server(handler) as server, trio.open_nursery() as nursery:
+        nursery.start_soon(first, server.url())
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(second, server.url())
+        await trio.testing.wait_all_tasks_blocked()
+        assert pool.statistics().waiting == 1
+        release.set()
+    assert results == {"A": 200, "B": 200}

@@ -138,9 +138,10 @@ def _without_cancelled(exc: BaseException) -> BaseException:
     return exc
 
 
-#: What a worker was doing when the watchdog cancelled its timer: the slot, and the
-#: call's result or (when the flag is true) its failure, already booked.
-_Resume = tuple[int, int, object, bool]
+#: What a worker was doing when the watchdog cancelled its timer: the slot and the
+#: call's failure (a GroupTimeoutError, or what the call raised as it was cancelled),
+#: not yet booked.
+_Resume = tuple[int, int, BaseException]
 
 
 class EnvironmentCounters:
@@ -285,12 +286,18 @@ class _Pipeline:
         was doing when it did, to be finished in a new timer)."""
         while True:
             if resume is not None:
-                batch_id, index, outcome, failed = resume
+                batch_id, index, late = resume
                 resume = None
-                if failed:
-                    group = await self.after_failure(batch_id, index, outcome)  # type: ignore[arg-type]
-                else:
-                    group = self.checked_group(outcome, batch_id, index, None)
+                try:
+                    # The pipeline may be shutting down: then the call ended in the
+                    # shutdown (as a call under a cancel scope of its own would), not in
+                    # a failure to retry, skip or raise.
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                except trio.Cancelled:
+                    self.cancelled += 1
+                    raise
+                self.call_raised(late, None)
+                group = await self.after_failure(batch_id, index, late)
             else:
                 # A worker released from send during shutdown must not start a new call
                 # (this does not yield unless cancelled).
@@ -330,8 +337,7 @@ class _Pipeline:
                                 if _is_cancellation(exc)
                                 else _without_cancelled(exc)
                             )
-                            self.call_raised(outcome, None)
-                            return (batch_id, index, outcome, True)
+                            return (batch_id, index, outcome)
                         if not self.call_raised(exc, None):
                             raise  # cancelled at shutdown
                         failure = exc
@@ -341,9 +347,9 @@ class _Pipeline:
                             # Returned at or after its deadline: a timeout, as under a
                             # cancel scope of its own (see attempt).
                             failure = self.timeout_error(batch_id, index)
-                            self.call_raised(failure, None)
                             if timer.cancel_called:
-                                return (batch_id, index, failure, True)
+                                return (batch_id, index, failure)
+                            self.call_raised(failure, None)
                         else:
                             self.completed += 1
                     if failure is None:

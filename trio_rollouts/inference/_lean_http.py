@@ -552,6 +552,10 @@ class ConnectionPool:
             origin.idle.clear()
         for conn in list(self._connections):
             self._discard(conn)
+        # A waiter handed an idle connection that has not run yet gets a new one instead.
+        for task, got in self._grants.items():
+            if isinstance(got, _Connection):
+                self._grants[task] = _FRESH
         self._dispatch()
         await trio.lowlevel.checkpoint()
 
