@@ -84,6 +84,6 @@ def real_server(session: nox.Session) -> None:
 @nox.session(name="bench-http", default=False)
 def bench_http(session: nox.Session) -> None:
     """OpenAIInference's CPU per request beside aiohttp on uvloop and the openai SDK
-    (benchmarks/http.py; needs ../shared/bench/http)."""
+    (benchmarks/http_client.py; needs ../shared/bench/http)."""
     session.install("-e", ".", "openai==3.57.0", "aiohttp==3.14.5", "uvloop==0.23.0")
-    session.run("python", "benchmarks/http.py", *session.posargs)
+    session.run("python", "benchmarks/http_client.py", *session.posargs)

@@ -1,7 +1,7 @@
 """Client cost of OpenAIInference beside aiohttp on uvloop and the openai SDK, in one run.
 
-Usage: python benchmarks/http.py [--configs 256,512@20] [--rounds N] [--duration S]
-                                 [--clients a,b,...] [--json FILE]
+Usage: python benchmarks/http_client.py [--configs 256,512@20] [--rounds N] [--duration S]
+                                        [--clients a,b,...] [--json FILE]
 
 This runs the shared HTTP comparison (``shared/bench/http/compare.py`` next to the
 repository) from the project, unchanged: a canned OpenAI-compatible server on 127.0.0.1
