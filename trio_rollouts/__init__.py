@@ -56,5 +56,6 @@ from .inference import OpenAIInference as OpenAIInference
 from .inference import ReturnsLogProbs as ReturnsLogProbs
 from .inference import ReturnsRaw as ReturnsRaw
 from .inference import ReturnsTokens as ReturnsTokens
+from .inference import WeightUpdateError as WeightUpdateError
 
 __version__ = "0.1.0.dev0"

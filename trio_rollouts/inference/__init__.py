@@ -29,3 +29,7 @@ from ._openai import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from ._openai import OpenAIInference as OpenAIInference
 from ._openai import OpenAIStatistics as OpenAIStatistics
 from ._openai import RetryBackoff as RetryBackoff
+from ._pausable import WEIGHT_UPDATE_MODES as WEIGHT_UPDATE_MODES
+from ._pausable import Pausable as Pausable
+from ._pausable import WeightUpdateError as WeightUpdateError
+from ._pausable import WeightUpdateMode as WeightUpdateMode

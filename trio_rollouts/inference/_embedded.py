@@ -8,7 +8,8 @@ samples one (respecting temperature, top-k, top-p and max_tokens) with a numpy
 ``autojump_clock``) makes it instant and deterministic. Tokens are characters (token id =
 Unicode code point), so token ids decode back to ``raw_text``. Like Megatron's engine it
 stamps ``policy_epoch``: :meth:`EmbeddedInference.set_generation_epoch` takes effect at
-the next token step of every request in flight.
+the next token step of every request in flight. It is :class:`~._pausable.Pausable` in
+all four weight-update modes (see :meth:`EmbeddedInference.pause`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 import numpy as np
@@ -32,6 +33,7 @@ from ._interface import (
     ReturnsRaw,
     render_plain_chat,
 )
+from ._pausable import WEIGHT_UPDATE_MODES, Pausable, WeightUpdateMode
 
 __all__ = ["EmbeddedInference", "HashedPromptPolicy", "LatencyModel", "Policy"]
 
@@ -115,7 +117,7 @@ def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: object
 
 
 @attrs.define(kw_only=True, eq=False)
-class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
+class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable):
     """A simulated inference engine (no model, no server) for demos, docs and tests.
 
     - ``policy``: maps the prompt's messages to ``(completions, probabilities)``
@@ -139,8 +141,13 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     completion (before temperature and cuts, as vLLM reports raw log-probabilities), so a
     complete completion's logprobs sum to ``log(p)``. ``policy_epoch`` starts at
     ``[(0, e)]`` with the epoch current at admission; see
-    :meth:`set_generation_epoch`. There is no KV cache to evict: ``kv_cache_epoch``
-    mirrors ``policy_epoch`` and ``num_evictions`` is 0.
+    :meth:`set_generation_epoch`. ``kv_cache_epoch`` mirrors ``policy_epoch`` (each
+    token's cache is computed under the weights that generated it), except after an
+    ``abort`` weight update (see :meth:`pause`); ``num_evictions`` is 0.
+
+    It is :class:`~trio_rollouts.inference.Pausable` in all four modes and stamps epochs
+    exactly (:meth:`pause`, :meth:`resume`); ``policy_epoch`` is
+    :attr:`generation_epoch`.
     """
 
     seed: int = attrs.field(default=0, validator=_check_seed)
@@ -152,11 +159,122 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     )
     _generation_epoch: int = attrs.field(init=False, default=0)
     _requests_per_prompt: dict[bytes, int] = attrs.field(init=False, factory=dict, repr=False)
+    # The pause state is per Trio run: Trio objects belong to one run, and the sync
+    # generate() runs its own. Each interface has its own RunVar (a key into the run).
+    _run_states: trio.lowlevel.RunVar[_RunState | None] = attrs.field(
+        init=False,
+        repr=False,
+        factory=lambda: trio.lowlevel.RunVar("EmbeddedInference pause state", None),
+    )
 
     @property
     def generation_epoch(self) -> int:
         """The policy epoch new tokens are generated with."""
         return self._generation_epoch
+
+    # ------------------------------------------------------------------ Pausable
+
+    @property
+    def supported_modes(self) -> frozenset[WeightUpdateMode]:
+        """All four: ``drain``, ``restart``, ``keep`` and ``abort``."""
+        return _ALL_MODES
+
+    @property
+    def policy_epoch(self) -> int:
+        """The epoch generation runs under now: :attr:`generation_epoch`."""
+        return self._generation_epoch
+
+    @property
+    def stamps_policy_epoch(self) -> bool:
+        """``True``: every response records the token where its epoch changed."""
+        return True
+
+    async def pause(self, mode: WeightUpdateMode) -> None:
+        """Stop generating as ``mode`` says; return once no token is being generated.
+
+        From the moment of the call, requests that arrive are held before admission
+        (nothing sampled, no latency spent) until :meth:`resume`; they are then admitted
+        under the new epoch (``policy_epoch == [(0, e)]``). Requests in flight:
+
+        - ``"keep"``: a request in its first-token wait (queueing and prefill) is held at
+          once and, after :meth:`resume`, waits only the rest of it. A token step is
+          never cut: ``pause`` waits for the steps in progress to end (at most one
+          ``per_token`` wait), and each request holds before its next token. After
+          ``resume(e)`` it goes on from token ``k``: ``policy_epoch`` gets ``(k, e)``
+          (or its empty last segment becomes ``(k, e)``), and so does ``kv_cache_epoch``:
+          the cache of tokens ``< k`` is kept as it was computed, under the old epoch.
+        - ``"abort"``: as ``keep``, but a held request is stopped: after ``resume(e)`` it
+          is continued from its partial output (the caller sees one call and the final
+          ``finish_reason``), which costs a new first-token wait (prefill of the prompt
+          and the ``k`` tokens so far), then goes on from token ``k`` with ``(k, e)`` in
+          ``policy_epoch``. The continuation recomputes the whole cache, so
+          ``kv_cache_epoch`` becomes ``[(0, e)]`` (later boundaries are stamped as
+          usual). A request stopped before its first token starts over: ``[(0, e)]``
+          for both.
+        - ``"drain"`` / ``"restart"``: requests in flight are left alone and finish
+          under the old epoch; ``pause`` returns when none is left (the pipeline calls
+          it once no call is in flight, so at once).
+
+        Pausing never changes the tokens a request generates, only their stamps and
+        timing: a request's random stream is fixed when it arrives.
+
+        A pause belongs to the Trio run that calls it: it holds the requests of that run
+        only, is ended by :meth:`resume` in that run, and ends with the run (a later
+        run, such as a sync :meth:`generate`, starts unpaused). The epoch is shared.
+
+        Raises ``TypeError`` for an unknown mode, ``RuntimeError`` when already paused
+        in this run (naming the mode in force). A :meth:`resume` that comes while
+        ``pause`` still waits ends the pause, and ``pause`` returns.
+
+        Cancellation: a cancelled ``pause`` undoes itself: the backend is not paused
+        and what it held goes on under the current epoch as if it had not been called
+        (a following ``resume`` then only sets the epoch).
+        """
+        if not isinstance(mode, str) or mode not in _ALL_MODES:
+            allowed = ", ".join(repr(m) for m in WEIGHT_UPDATE_MODES)
+            msg = f"unknown weight-update mode {mode!r}: EmbeddedInference supports {allowed}"
+            raise TypeError(msg)
+        state = self._run_state()
+        if state.pause is not None:
+            msg = (
+                f"EmbeddedInference is already paused (mode {state.pause.mode!r}); "
+                "resume() it before pausing again"
+            )
+            raise RuntimeError(msg)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        pause = _Pause(mode)
+        state.pause = pause
+        if mode in _HOLDING_MODES:
+            state.prefilling.unpark_all()
+        try:
+            waited = False
+            while state.pause is pause and state.busy(mode) > 0:
+                waited = True
+                await state.quiet.park()
+        except BaseException:
+            if state.pause is pause:
+                state.release(undone=True)
+            raise
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def resume(self, epoch: int) -> None:
+        """Generate under ``epoch`` from now on and release what the pause held (see
+        :meth:`pause`). When this run is not paused it only sets the epoch, like
+        :meth:`set_generation_epoch`.
+
+        Raises ``TypeError`` / ``ValueError`` unless ``epoch`` is an int >= 0 (nothing
+        changes then: a paused backend stays paused).
+
+        Cancellation: never interrupted; the state changes before its only schedule
+        point, which cannot raise ``Cancelled``.
+        """
+        _check_natural("epoch", epoch)
+        self._generation_epoch = epoch
+        state = self._run_states.get()
+        if state is not None and state.pause is not None:
+            state.release(undone=False)
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     def set_generation_epoch(self, epoch: int) -> None:
         """Declare that the policy's weights changed to ``epoch``, as a trainer does after
@@ -167,6 +285,10 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         being the number of tokens it had generated by then; when it had generated none
         under the previous epoch, that empty segment is replaced instead, so start
         indices strictly increase. Safe to call from any thread (one attribute write).
+
+        This is the way to change the epoch without pausing; a weight update uses
+        :meth:`pause` and :meth:`resume` (whose epoch is the one held requests go on
+        under).
         """
         _check_natural("epoch", epoch)
         self._generation_epoch = epoch
@@ -178,22 +300,54 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         probabilities.
 
         Cancellation: a checkpoint at least once (the first-token wait); cancellable at
-        every token step, leaving nothing behind.
+        every token step and while held by a pause, leaving nothing behind.
         """
         prompt_text = render_plain_chat(request.prompt)
-        completions, probs = self._distribution(request.prompt)
+        # The random stream is fixed on arrival, so a pause never changes the sample.
         rng = self._request_rng(prompt_text)
+        state = self._run_state()
+        await state.hold(admission=True)
+        completions, probs = self._distribution(request.prompt)
         index = _sample(probs, request.generation_args, rng)
         completion = completions[index]
         max_tokens = request.generation_args.max_tokens
         generated = completion if max_tokens is None else completion[:max_tokens]
         speed = self.latency.speed_factor(rng)
+        first_token = self.latency.first_token * speed
+        per_token = self.latency.per_token * speed
 
-        policy_epoch = [(0, self._generation_epoch)]
-        await trio.sleep(self.latency.first_token * speed)
-        for k in range(len(generated)):
-            _stamp(policy_epoch, k, self._generation_epoch)
-            await trio.sleep(self.latency.per_token * speed)
+        state.admitted += 1
+        try:
+            policy_epoch = [(0, self._generation_epoch)]
+            kv_cache_epoch = list(policy_epoch)
+            await state.prefill(first_token)
+            recomputed = False
+            k = 0
+            while k < len(generated):
+                if state.holds_in_flight():
+                    if await state.hold(admission=False):
+                        # Aborted: continued from token k after a new prefill of the
+                        # prompt and the k tokens, whose cache is computed again.
+                        await state.prefill(first_token)
+                        recomputed = True
+                    continue
+                epoch = self._generation_epoch
+                _stamp(policy_epoch, k, epoch)
+                if recomputed:
+                    kv_cache_epoch = [(0, epoch)]
+                    recomputed = False
+                else:
+                    _stamp(kv_cache_epoch, k, epoch)
+                state.decoding += 1
+                try:
+                    await trio.sleep(per_token)
+                finally:
+                    state.decoding -= 1
+                    state.wake_pause()
+                k += 1
+        finally:
+            state.admitted -= 1
+            state.wake_pause()
 
         token_logprob = math.log(probs[index]) / len(completion) if completion else 0.0
         raw_text = prompt_text + generated
@@ -204,10 +358,17 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             prompt_length=len(prompt_text),
             logprobs=[token_logprob] * len(generated),
             policy_epoch=policy_epoch,
-            kv_cache_epoch=list(policy_epoch),
+            kv_cache_epoch=kv_cache_epoch,
             num_evictions=0,
             finish_reason="length" if len(generated) < len(completion) else "stop",
         )
+
+    def _run_state(self) -> _RunState:
+        state = self._run_states.get()
+        if state is None:
+            state = _RunState()
+            self._run_states.set(state)
+        return state
 
     def _distribution(self, prompt: list[ChatMessage]) -> tuple[list[str], npt.NDArray[np.float64]]:
         completions, weights = self.policy(prompt)
@@ -234,6 +395,78 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         self._requests_per_prompt[digest] = occurrence + 1
         words = [int.from_bytes(digest[i : i + 8], "little") for i in (0, 8)]
         return np.random.default_rng([self.seed, *words, occurrence])
+
+
+_ALL_MODES: Final[frozenset[WeightUpdateMode]] = frozenset(WEIGHT_UPDATE_MODES)
+#: The modes that hold requests in flight (the others only hold new requests).
+_HOLDING_MODES: Final[frozenset[WeightUpdateMode]] = frozenset({"keep", "abort"})
+
+
+@attrs.define(eq=False)
+class _Pause:
+    mode: WeightUpdateMode
+    #: Ended by a cancelled pause(), not by resume(): nothing it held was aborted.
+    undone: bool = False
+
+
+@attrs.define(eq=False)
+class _RunState:
+    """The pause state of one interface in one Trio run."""
+
+    pause: _Pause | None = None
+    #: Requests admitted and not finished (a drain or restart pause waits for none).
+    admitted: int = 0
+    #: Requests inside a token step (a keep or abort pause waits for none).
+    decoding: int = 0
+    #: Requests held by the pause, until resume().
+    held: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
+    #: Requests in their first-token wait (a keep or abort pause cuts it).
+    prefilling: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
+    #: The pause() waiting for ``busy`` to reach 0.
+    quiet: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
+
+    def busy(self, mode: WeightUpdateMode) -> int:
+        return self.decoding if mode in _HOLDING_MODES else self.admitted
+
+    def holds_in_flight(self) -> bool:
+        return self.pause is not None and self.pause.mode in _HOLDING_MODES
+
+    def wake_pause(self) -> None:
+        if self.pause is not None:
+            self.quiet.unpark_all()
+
+    def release(self, *, undone: bool) -> None:
+        """End the pause (synchronously: no checkpoint)."""
+        if self.pause is not None:
+            self.pause.undone = undone
+            self.pause = None
+        self.held.unpark_all()
+        self.quiet.unpark_all()
+
+    async def hold(self, *, admission: bool) -> bool:
+        """Wait while a pause holds this request (any pause at admission; keep or abort
+        in flight). Returns whether an abort that was resumed stopped it."""
+        aborted = False
+        while (pause := self.pause) is not None and (admission or pause.mode in _HOLDING_MODES):
+            await self.held.park()
+            aborted = aborted or (pause.mode == "abort" and not pause.undone)
+        return aborted
+
+    async def prefill(self, seconds: float) -> None:
+        """The first-token wait: ``seconds`` of queueing and prefill. A keep or abort
+        pause cuts it; after keep the rest is waited, after abort all of it again."""
+        deadline = trio.current_time() + seconds
+        while True:
+            with trio.move_on_at(deadline):
+                await self.prefilling.park()
+            if not self.holds_in_flight():
+                if trio.current_time() >= deadline:
+                    return
+                continue  # woken by a pause that was undone before this task ran
+            remaining = max(0.0, deadline - trio.current_time())
+            if await self.hold(admission=False):
+                remaining = seconds
+            deadline = trio.current_time() + remaining
 
 
 def _stamp(policy_epoch: list[tuple[int, int]], k: int, epoch: int) -> None:
