@@ -14,16 +14,38 @@ the request: {'return_token_ids'}"}``), ``"openai"`` with api.openai.com's 400
 (``Unrecognized request argument supplied: return_token_ids``). Such a server returns
 token ids or logprobs only for the fields it knows. Nothing here is a mock of the
 client: the backend under test speaks real HTTP over loopback.
+
+Its ``control`` setting serves a server's weight-update control endpoints, modelled on
+their documented behaviour (``docs/backends.md``, "Pausing for weight updates"):
+
+- ``"vllm"``: ``POST /pause?mode=abort|keep|wait`` (query parameters; ``abort`` by
+  default) and ``POST /resume``; with ``dev_mode=False`` they are not mounted (404), as
+  in vLLM >= 0.16 without ``VLLM_SERVER_DEV_MODE=1``. A chat request with
+  ``continue_final_message`` must also send ``add_generation_prompt: false`` (400).
+- ``"sglang"``: ``POST /pause_generation {"mode": "abort"|"in_place"}`` (``abort`` by
+  default), ``POST /continue_generation``, ``POST /update_weight_version
+  {"new_version", "abort_all_requests"}``, which aborts every request in flight unless
+  ``abort_all_requests`` is ``false`` (its default is ``true``).
+
+While paused, a request that arrives is held until resume (both servers); a request in
+flight does not finish (keep, ``in_place``); ``abort`` ends every request in flight with
+its partial output (the first ``abort_after`` characters of its completion, half by
+default) and ``finish_reason: "abort"``. The "model" is deterministic: a request that
+continues an aborted one (a final assistant message with ``continue_final_message``,
+or a completions prompt followed by the partial text) is answered with the rest of the
+completion it was aborted in.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from typing import Any, Literal
+from urllib.parse import parse_qs
 
 import attrs
 import trio
@@ -87,6 +109,23 @@ class FakeOpenAIServer:
     known_fields: frozenset[str] = CORE_FIELDS
     #: When set, every request waits for this event before it is answered.
     gate: trio.Event | None = None
+    #: The control endpoints served (module docstring), and whether vLLM's are mounted.
+    control: Literal["vllm", "sglang"] | None = None
+    dev_mode: bool = True
+    #: Control path (without the query) -> a status to answer with, doing nothing.
+    control_status: dict[str, int] = attrs.field(factory=dict)
+    #: Control requests received: the path with its query, and the JSON body (or None).
+    control_received: list[tuple[str, Any]] = attrs.field(factory=list)
+    #: How many characters of its completion an aborted request keeps (None: half).
+    abort_after: int | None = None
+    paused: str | None = None
+    #: Requests being generated (admitted, not held, not answered yet).
+    running: int = 0
+    #: Requests aborted, with the partial text each returned.
+    aborted: list[str] = attrs.field(factory=list)
+    _resumed: trio.Event = attrs.field(factory=trio.Event)
+    _running_scopes: set[trio.CancelScope] = attrs.field(factory=set)
+    _continuations: dict[tuple[str, str], str] = attrs.field(factory=dict)
     _changed: trio.Event = attrs.field(factory=trio.Event)
 
     def reply(self, *replies: Reply) -> None:
@@ -98,13 +137,102 @@ class FakeOpenAIServer:
         while len(self.received) < n:
             await self._changed.wait()
 
+    async def wait_running(self, n: int) -> None:
+        """Return once ``n`` requests are being generated (not held by a pause)."""
+        while self.running < n:
+            await self._changed.wait()
+
+    async def wait_control(self, n: int) -> None:
+        """Return once ``n`` control requests have arrived."""
+        while len(self.control_received) < n:
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
     def app(self) -> Starlette:
-        return Starlette(
-            routes=[
-                Route("/v1/chat/completions", self._handle, methods=["POST"]),
-                Route("/v1/completions", self._handle, methods=["POST"]),
+        routes = [
+            Route("/v1/chat/completions", self._handle, methods=["POST"]),
+            Route("/v1/completions", self._handle, methods=["POST"]),
+        ]
+        if self.control == "vllm" and self.dev_mode:
+            routes += [
+                Route("/pause", self._control, methods=["POST"]),
+                Route("/resume", self._control, methods=["POST"]),
             ]
-        )
+        elif self.control == "sglang":
+            routes += [
+                Route(path, self._control, methods=["POST"])
+                for path in ("/pause_generation", "/continue_generation", "/update_weight_version")
+            ]
+        return Starlette(routes=routes)
+
+    # ------------------------------------------------------------------ control endpoints
+
+    async def _control(self, request: Request) -> Response:
+        raw = await request.body()
+        body = json.loads(raw) if raw else None
+        path = request.url.path
+        query = f"?{request.url.query}" if request.url.query else ""
+        self.control_received.append((path + query, body))
+        self._notify()
+        status = self.control_status.get(path)
+        if status is not None:
+            return JSONResponse({"error": f"{path} failed"}, status_code=status)
+        if path == "/pause":
+            mode = parse_qs(request.url.query).get("mode", ["abort"])[0]
+            self._pause(mode)
+            return JSONResponse({"status": "paused"})
+        if path == "/pause_generation":
+            self._pause((body or {}).get("mode", "abort"))
+            return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+        if path in ("/resume", "/continue_generation"):
+            self.paused = None
+            self._resumed.set()
+            self._notify()
+            if path == "/resume":
+                return JSONResponse({"status": "resumed"})
+            return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+        # /update_weight_version: SGLang aborts everything unless told not to.
+        if (body or {}).get("abort_all_requests", True):
+            self._abort_running()
+        return JSONResponse({"success": True, "message": "ok"})
+
+    def _pause(self, mode: str) -> None:
+        if self.paused is None:
+            self._resumed = trio.Event()
+        self.paused = mode
+        if mode == "abort":
+            self._abort_running()
+        self._notify()
+
+    def _abort_running(self) -> None:
+        for scope in self._running_scopes:
+            scope.cancel()
+
+    async def _held_while_paused(self) -> None:
+        while self.paused is not None:
+            await self._resumed.wait()
+
+    def _plan(self, chat: bool, body: dict[str, Any]) -> tuple[str, str, str]:
+        """What the request generates: (what identifies its prompt, the text already
+        generated that it continues, the text it generates)."""
+        if chat:
+            messages = body["messages"]
+            if body.get("continue_final_message") and messages[-1]["role"] == "assistant":
+                base, prefix = json.dumps(messages[:-1]), messages[-1]["content"]
+                rest = self._continuations.get((base, prefix))
+                if rest is not None:
+                    return base, prefix, rest
+                return base, prefix, f"{self.name}: {messages[-2]['content']}"
+            return json.dumps(messages), "", f"{self.name}: {messages[-1]['content']}"
+        prompt = body["prompt"]
+        for (base, prefix), rest in self._continuations.items():
+            if prefix and base + prefix == prompt:
+                return base, prefix, rest
+        last = prompt.splitlines()[-1] if prompt else ""
+        return prompt, "", f"{self.name}: {last}"
 
     async def _handle(self, request: Request) -> Response:
         try:
@@ -115,17 +243,46 @@ class FakeOpenAIServer:
         self.received.append(
             Received(path=request.url.path, headers=dict(request.headers), body=body)
         )
-        self._changed.set()
-        self._changed = trio.Event()
+        self._notify()
         reply = self.script.popleft() if self.script else self.default
+        chat = request.url.path.endswith("/chat/completions")
+        if (
+            self.control == "vllm"
+            and chat
+            and body.get("continue_final_message")
+            and body.get("add_generation_prompt", True)
+        ):
+            message = (
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+            return JSONResponse({"object": "error", "message": message}, status_code=400)
+        base, prefix, text = self._plan(chat, body)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        generating = trio.CancelScope()
         try:
-            if self.gate is not None:
-                await self.gate.wait()
-            await trio.sleep(reply.delay)
+            await self._held_while_paused()  # arrived while paused: held until resume
+            self._running_scopes.add(generating)
+            self.running += 1
+            self._notify()
+            try:
+                with generating:  # an abort cancels it
+                    if self.gate is not None:
+                        await self.gate.wait()
+                    await trio.sleep(reply.delay)
+                    await self._held_while_paused()  # keep: frozen until resume
+            finally:
+                self._running_scopes.discard(generating)
+                self.running -= 1
         finally:
             self.in_flight -= 1
+        if generating.cancelled_caught:
+            keep = len(text) // 2 if self.abort_after is None else self.abort_after
+            partial = text[:keep]
+            self._continuations[(base, prefix + partial)] = text[keep:]
+            self.aborted.append(partial)
+            self._notify()
+            return JSONResponse(self._completion(request, body, Reply(), partial, "abort"))
         given = request.headers.get("authorization", "")
         if self.api_key is not None and given != f"Bearer {self.api_key}":
             message = f"Incorrect API key provided: {given.removeprefix('Bearer ')}"
@@ -136,7 +293,9 @@ class FakeOpenAIServer:
             return refusal
         if reply.text is not None:
             return Response(reply.text, status_code=reply.status, headers=reply.headers)
-        payload = reply.json if reply.json is not None else self._completion(request, body, reply)
+        payload = reply.json
+        if payload is None:
+            payload = self._completion(request, body, reply, text, "stop")
         return JSONResponse(payload, status_code=reply.status, headers=reply.headers)
 
     def _refusal(self, body: dict[str, Any]) -> Response | None:
@@ -154,16 +313,15 @@ class FakeOpenAIServer:
         error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
         return JSONResponse({"error": error}, status_code=400)
 
-    def _completion(self, request: Request, body: dict[str, Any], reply: Reply) -> Any:
+    def _completion(
+        self, request: Request, body: dict[str, Any], reply: Reply, text: str, finish: str
+    ) -> Any:
         chat = request.url.path.endswith("/chat/completions")
         if chat:
-            last = body["messages"][-1]["content"]
             prompt_ids = [len(m["content"]) for m in body["messages"]]
         else:
-            last = body["prompt"].splitlines()[-1] if body["prompt"] else ""
             prompt_ids = [ord(c) for c in body["prompt"]]
-        text = f"{self.name}: {last}"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         usage = {
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(text),

@@ -40,6 +40,18 @@ import trio
 
 from .._checks import int_at_least as _int_at_least
 from .._models import ChatMessage
+from ._control import (
+    ABORT,
+    SERVER_KINDS,
+    PauseState,
+    ServerKind,
+    continuation_body,
+    control_root,
+    merge_continuation,
+    missing_endpoint_hint,
+    pause_call,
+    resume_calls,
+)
 from ._errors import (
     TRANSIENT_ERRORS,
     AuthenticationError,
@@ -71,6 +83,7 @@ from ._lean_http import (
     RemoteProtocolError,
 )
 from ._negotiation import NEGOTIABLE_FIELDS, Capabilities, named_fields, says_unknown
+from ._pausable import Pausable, WeightUpdateError, WeightUpdateMode
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -108,6 +121,18 @@ _encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encod
 _MAX_SERVER_MESSAGE = 500
 
 _ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+#: What a weight update may ask of an interface without, and with, a server's control
+#: endpoints; and the modes that need them.
+_CLIENT_MODES: frozenset[WeightUpdateMode] = frozenset({"drain", "restart"})
+_SERVER_MODES: frozenset[WeightUpdateMode] = frozenset({"drain", "restart", "keep", "abort"})
+_SERVER_ONLY_MODES = _SERVER_MODES - _CLIENT_MODES
+
+#: How long resume() may take, all replicas together, before it gives up (shielded).
+_RESUME_TIMEOUT = 60.0
+
+#: The control paths that end a server-side pause.
+_RESUME_PATHS = frozenset({"/resume", "/continue_generation"})
 
 #: Keys of a returned chat message kept in ``ChatMessage.extra`` (others, such as the
 #: token-id copies Megatron's server puts in the message, are dropped).
@@ -150,13 +175,15 @@ class OpenAIStatistics:
     a refused field), and retries made across all replicas (``retries``). Also what
     negotiation learned, per replica, over the interface's life (not only this run):
     the request fields that replica refused and that are no longer sent to it
-    (``dropped_fields``, sorted)."""
+    (``dropped_fields``, sorted). And the calls of this run waiting for a weight
+    update's :meth:`~OpenAIInference.resume` (``held``)."""
 
     base_urls: tuple[str, ...]
     in_flight: tuple[int, ...]
     attempts: tuple[int, ...]
     retries: int
     dropped_fields: tuple[tuple[str, ...], ...] = ()
+    held: int = 0
 
 
 def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -297,6 +324,7 @@ class _RunState:
     client: httpx2.AsyncClient | ConnectionPool
     in_flight: list[int]
     attempts: list[int]
+    pause: PauseState
     retries: int = 0
     next_replica: int = 0
     keeper_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
@@ -320,11 +348,16 @@ async def _close_at_run_exit(state: _RunState) -> None:
         state.closed.set()
 
 
+@attrs.define(eq=False)
+class _EpochBox:
+    value: int = 0
+
+
 # --------------------------------------------------------------------------- the backend
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
+class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable):
     """An OpenAI-compatible HTTP server (vLLM, SGLang, Megatron, OpenAI, ``transformers
     serve``, llama.cpp's server, Ollama) as an inference interface. Frozen: it is
     configuration; what changes lives with each Trio run, except what negotiation learns
@@ -367,6 +400,11 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
       negotiated: a refusal naming one raises :class:`UnsupportedFieldError`, as does
       one naming a set generation argument.
 
+    - ``server``: ``"vllm"`` or ``"sglang"`` to pause through that server's control
+      endpoints for a weight update (all four modes), or ``None`` (the default): pauses
+      hold calls client-side only (``drain`` and ``restart``). See :meth:`pause` and
+      ``docs/backends.md``, "Pausing for weight updates".
+
     Every set field of the request's ``GenerationArgs`` is forwarded as is
     (``temperature``, ``top_p``, ``max_tokens``, and ``top_k`` as a top-level key, which
     vLLM and SGLang accept); unset ones are left out, so the server's defaults apply.
@@ -376,8 +414,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     ``render_plain_chat(prompt)``, followed by the completion), ``token_ids`` and
     ``prompt_length`` when the server returns prompt and generated ids, ``logprobs``
     (with or without token ids), ``finish_reason``, ``usage``, and Megatron's
-    ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` when present. See
-    ``docs/backends.md``.
+    ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` when present (without
+    Megatron's stamps, ``policy_epoch`` is ``[(0, e)]``, ``e`` the :attr:`policy_epoch`
+    the call started under). See ``docs/backends.md``.
     """
 
     base_url: tuple[str, ...] = attrs.field(converter=_to_base_urls, repr=_repr_urls, kw_only=False)
@@ -402,6 +441,25 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
     )
     transport: Literal["auto", "lean", "httpx2"] = attrs.field(
         default="auto", validator=attrs.validators.in_(("auto", "lean", "httpx2"))
+    )
+    server: ServerKind | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(SERVER_KINDS))
+    )
+    # Each replica's root, where the control endpoints are (base_url less "/v1").
+    _control_roots: tuple[str, ...] = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(
+            lambda self: tuple(control_root(url) for url in self.base_url), takes_self=True
+        ),
+    )
+    # The policy epoch: mutable, and kept across runs (resume() in one, generate() in
+    # the next); the pause itself lives with each run.
+    _epoch: _EpochBox = attrs.field(init=False, repr=False, factory=lambda: _EpochBox())
+    _pause_var: trio.lowlevel.RunVar[PauseState | None] = attrs.field(
+        init=False,
+        repr=False,
+        factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference.pause"),
     )
     # The replicas as shown in errors (no credentials), parsed once, not per attempt.
     _shown_urls: tuple[str, ...] = attrs.field(
@@ -485,7 +543,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         state = self._run_state.get(None)
         if state is None:
             n = len(self.base_url)
-            state = _RunState(client=self._make_client(), in_flight=[0] * n, attempts=[0] * n)
+            state = _RunState(
+                client=self._make_client(),
+                in_flight=[0] * n,
+                attempts=[0] * n,
+                pause=self._pause_state(),
+            )
             self._run_state.set(state)
             trio.lowlevel.spawn_system_task(
                 _close_at_run_exit, state, name=f"{type(self).__name__} client keeper"
@@ -533,7 +596,244 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
             attempts=tuple(state.attempts),
             retries=state.retries,
             dropped_fields=dropped,
+            held=state.pause.held,
         )
+
+    # ----------------------------------------------------------------------- weight updates
+
+    @property
+    def supported_modes(self) -> frozenset[WeightUpdateMode]:
+        """``drain`` and ``restart`` (held client-side) always; ``keep`` and ``abort``
+        through the control endpoints of ``server="vllm"`` or ``"sglang"``."""
+        return _SERVER_MODES if self.server is not None else _CLIENT_MODES
+
+    @property
+    def policy_epoch(self) -> int:
+        """The epoch last given to :meth:`resume` (0 before any), kept across runs."""
+        return self._epoch.value
+
+    @property
+    def stamps_policy_epoch(self) -> bool:
+        """``False``: neither server reports the token at which the weights changed, so
+        a call is stamped ``[(0, e)]`` with the epoch it started under (unless the
+        server returns its own ``policy_epoch`` stamps, as Megatron's does)."""
+        return False
+
+    def _pause_state(self) -> PauseState:
+        pause = self._pause_var.get(None)
+        if pause is None:
+            pause = PauseState()
+            self._pause_var.set(pause)
+        return pause
+
+    async def pause(self, mode: WeightUpdateMode) -> None:
+        """Hold new calls, and for ``keep`` / ``abort`` pause every replica, concurrently,
+        through its control endpoint; return once every replica has acknowledged.
+
+        ``drain`` / ``restart``: nothing is sent (the caller pauses once no call is in
+        flight, and every call of this interface waits client-side). ``keep``: vLLM
+        ``POST /pause?mode=keep``, SGLang ``POST /pause_generation {"mode": "in_place"}``:
+        requests in flight stay on the server with their KV cache and go on after
+        :meth:`resume`. ``abort``: vLLM ``POST /pause?mode=abort``, SGLang ``{"mode":
+        "abort"}``: the server ends requests in flight with their partial output
+        (``finish_reason "abort"``), and each call continues from it after
+        :meth:`resume`.
+
+        Raises ``TypeError`` for a mode outside :attr:`supported_modes`. If a replica's
+        pause fails, every replica it was sent to is resumed under the current epoch,
+        held calls are released, and :class:`WeightUpdateError` is raised from the
+        failure (a missing endpoint, vLLM's 404 without ``VLLM_SERVER_DEV_MODE=1``, says
+        so); failures to resume are added as notes.
+
+        Cancellation: if cancelled, the replicas may be paused; call :meth:`resume`.
+        """
+        if mode not in self.supported_modes:
+            msg = (
+                f"{type(self).__name__}(server={self.server!r}) cannot pause for mode "
+                f"{mode!r}; it supports {sorted(self.supported_modes)}"
+            )
+            if self.server is None and mode in _SERVER_MODES:
+                msg += " (pass server='vllm' or server='sglang' for keep and abort)"
+            raise TypeError(msg)
+        state = self._state()
+        pause = state.pause
+        if pause.hold is None:
+            pause.hold = trio.Event()
+        pause.mode = mode
+        server = self.server
+        if mode not in _SERVER_ONLY_MODES or server is None:
+            await trio.lowlevel.checkpoint()
+            return
+        pause.server_pauses += 1
+        path, body = pause_call(server, mode)
+        failures: dict[int, InferenceError] = {}
+
+        async def pause_one(index: int) -> None:
+            pause.server_paused.add(index)
+            try:
+                await self._control(state, index, path, body)
+            except InferenceError as exc:
+                failures[index] = exc
+                if exc.status is not None and 400 <= exc.status < 500:
+                    pause.server_paused.discard(index)  # refused: not paused
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self.base_url)):
+                nursery.start_soon(pause_one, index)
+        if not failures:
+            return
+        index = min(failures)
+        cause = failures[index]
+        msg = (
+            f"pausing {self.server} for mode {mode!r} failed at "
+            f"{self._shown_urls[index]} ({len(failures)} of {len(self.base_url)} "
+            f"replicas failed): {cause}"
+        )
+        error = WeightUpdateError(msg)
+        error.__cause__ = cause
+        for other, exc in sorted(failures.items())[1:]:
+            error.add_note(f"{self._shown_urls[other]} failed too: {exc}")
+        try:
+            await self.resume(self._epoch.value)
+        except InferenceError as exc:
+            error.add_note(f"resuming after the failed pause failed too: {exc}")
+            for note in getattr(exc, "__notes__", ()):
+                error.add_note(note)
+        raise error
+
+    async def resume(self, epoch: int) -> None:
+        """Set :attr:`policy_epoch` to ``epoch``, resume every replica that may be
+        paused (vLLM ``POST /resume``; SGLang ``POST /continue_generation``), and release
+        the held calls. With SGLang, a new epoch is first sent as its weight version
+        (``POST /update_weight_version {"new_version": "<epoch>",
+        "abort_all_requests": false}``). Idempotent: when nothing is paused it only sets
+        the epoch.
+
+        A replica that fails to resume (within 60 s, retrying transient errors) stays
+        marked paused, so that the next :meth:`resume` tries it again; the epoch is set
+        and held calls are released anyway, and the first failure is raised (the others
+        as notes).
+
+        Cancellation: runs shielded, bounded by 60 s.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            msg = f"epoch must be an int, got {epoch!r}"
+            raise TypeError(msg)
+        state = self._state()
+        pause = state.pause
+        server = self.server
+        paused = pause.hold is not None
+        failures: dict[int, InferenceError] = {}
+        try:
+            if server is not None and (paused or pause.server_paused):
+                new_version = epoch if paused and epoch != self._epoch.value else None
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + _RESUME_TIMEOUT
+                    async with trio.open_nursery() as nursery:
+                        for index in range(len(self.base_url)):
+                            calls = resume_calls(
+                                server,
+                                paused=index in pause.server_paused,
+                                new_version=new_version,
+                            )
+                            if calls:
+                                nursery.start_soon(self._resume_one, state, index, calls, failures)
+                if scope.cancelled_caught:
+                    for index in pause.server_paused - failures.keys():
+                        shown = self._shown_urls[index]
+                        failures[index] = InferenceTimeoutError(
+                            f"resuming {shown} did not finish within {_RESUME_TIMEOUT} s",
+                            url=shown,
+                        )
+        finally:
+            self._epoch.value = epoch
+            pause.release()
+        if failures:
+            index = min(failures)
+            error = failures[index]
+            error.add_note(f"{self.server} replica {self._shown_urls[index]} may still be paused")
+            for other, exc in sorted(failures.items())[1:]:
+                error.add_note(f"{self._shown_urls[other]} failed to resume too: {exc}")
+            raise error
+
+    async def _resume_one(
+        self,
+        state: _RunState,
+        index: int,
+        calls: list[tuple[str, dict[str, Any] | None]],
+        failures: dict[int, InferenceError],
+    ) -> None:
+        pause = state.pause
+        first: InferenceError | None = None
+        for path, body in calls:  # every call is made, even after one fails
+            try:
+                await self._control(state, index, path, body, retries=self.max_retries)
+            except InferenceError as exc:
+                first = first or exc
+            else:
+                if path in _RESUME_PATHS:
+                    pause.server_paused.discard(index)
+        if first is not None:
+            failures[index] = first
+
+    async def _control(
+        self,
+        state: _RunState,
+        index: int,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        retries: int = 0,
+    ) -> None:
+        """POST a control request to replica ``index``'s root through this run's client
+        (not counted in the statistics); transient failures are retried ``retries``
+        times, after the backoff's waits."""
+        url = self._control_roots[index] + path
+        shown = _display_url(self._control_roots[index]) + path
+        for attempt in range(retries + 1):
+            try:
+                response = await self._send(state.client, url, shown, body)
+                if 200 <= response.status_code < 300:
+                    return
+                message, _ = _server_message(response)
+                server_message = self._redact(message)[:_MAX_SERVER_MESSAGE] or None
+                status = response.status_code
+                msg = f"POST {shown} returned {status} {response.reason_phrase}"
+                if server_message and server_message != response.reason_phrase:
+                    msg += f": {server_message}"
+                if status in (404, 405) and self.server is not None:
+                    msg += missing_endpoint_hint(self.server, path)
+                cls = _status_class(status)
+                raise cls(
+                    msg,
+                    url=shown,
+                    status=status,
+                    server_message=server_message,
+                    retry_after=_retry_after(response.headers),
+                )
+            except TRANSIENT_ERRORS:
+                if attempt == retries:
+                    raise
+            wait = min(self.backoff.maximum, self.backoff.initial * 2**attempt)
+            await trio.sleep(wait)
+
+    async def _send(
+        self,
+        client: httpx2.AsyncClient | ConnectionPool,
+        url: str,
+        shown: str,
+        body: dict[str, Any] | None,
+    ) -> _Response:
+        content = b"" if body is None else _encode_json(body).encode()
+        try:
+            if isinstance(client, ConnectionPool):
+                return await client.request(
+                    "POST", url, headers=self._lean_headers, content=content
+                )
+            headers = {"content-type": "application/json"}
+            return await client.post(url, content=content, headers=headers)
+        except (LeanHTTPError, httpx2.HTTPError) as exc:
+            raise self._transport_error(exc, shown) from exc
 
     # ----------------------------------------------------------------------- requests
 
@@ -546,22 +846,87 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         that refuses a negotiated field gets the request again without it, within the
         same attempt (see the class docstring).
 
-        Cancellation: cancellable at any point, including during a backoff wait. A
-        cancelled request releases its connection slot and its in-flight count before
-        ``trio.Cancelled`` propagates; the server may still finish the generation.
+        While a weight update has paused the interface (:meth:`pause`), the call waits
+        before sending anything; a call whose request the server aborted for the pause
+        (``finish_reason == "abort"``) waits for :meth:`resume` and is continued from its
+        partial output, and returns one response. The response's ``policy_epoch`` is the
+        server's stamps when it sends them, else ``[(0, e)]`` with ``e`` the
+        :attr:`policy_epoch` when the call started (after any wait).
+
+        Cancellation: cancellable at any point, including during a backoff wait and while
+        held by a pause. A cancelled request releases its connection slot and its
+        in-flight count before ``trio.Cancelled`` propagates; the server may still finish
+        the generation.
         """
         body = self._request_body(request)
         path = _ENDPOINT_PATHS[self.endpoint]
         state = self._state()
+        pause = state.pause
+        if pause.hold is not None:
+            await pause.wait_resumed()
+        epoch = self._epoch.value
+        server_pauses = pause.server_pauses
         # The first attempt runs outside stamina: a request that succeeds at once (nearly
         # all of them) costs no retry machinery. Only a transient failure enters it.
+        try:
+            response = await self._attempt(state, request, body, path)
+        except TRANSIENT_ERRORS as exc:
+            if self.max_retries == 0:
+                raise
+            first = exc
+        else:
+            if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
+                response = await self._continue_aborted(state, request, body, path, response)
+            if not response.policy_epoch:
+                response.policy_epoch = [(0, epoch)]
+            return response
+        # Outside the except block, so that a later failure is not chained to the first.
+        response = await self._retried(first, state, request, body, path)
+        if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
+            response = await self._continue_aborted(state, request, body, path, response)
+        if not response.policy_epoch:
+            response.policy_epoch = [(0, epoch)]
+        return response
+
+    async def _continue_aborted(
+        self,
+        state: _RunState,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+        response: InferenceResponse,
+    ) -> InferenceResponse:
+        """Continue a response that a pause aborted, after :meth:`resume`, from its
+        partial output, until it finishes for another reason (each pause that aborts it
+        again adds a segment); one response."""
+        pause = state.pause
+        server = self.server
+        merged = response
+        while merged.finish_reason == ABORT:
+            await pause.wait_resumed()
+            if server is None:  # pragma: no cover - only a server-side pause aborts
+                break
+            server_pauses = pause.server_pauses
+            continued = continuation_body(
+                server, self.endpoint, body, merged, merged.response.content
+            )
+            if continued is None:  # max_tokens used up before the abort
+                return attrs.evolve(merged, finish_reason="length")
+            segment = await self._attempt_with_retries(state, request, continued, path)
+            merged = merge_continuation(merged, segment)
+            if merged.finish_reason == ABORT and pause.server_pauses == server_pauses:
+                break  # aborted by something else than a pause: the caller sees it
+        return merged
+
+    async def _attempt_with_retries(
+        self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
+    ) -> InferenceResponse:
         try:
             return await self._attempt(state, request, body, path)
         except TRANSIENT_ERRORS as exc:
             if self.max_retries == 0:
                 raise
             first = exc
-        # Outside the except block, so that a later failure is not chained to the first.
         return await self._retried(first, state, request, body, path)
 
     async def _retried(
@@ -696,26 +1061,24 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
                     "POST", url, headers=self._lean_headers, content=content
                 )
             return await client.post(url, json=body)
-        except LeanTimeout as exc:
-            msg = f"POST {shown} timed out ({self._redact(_describe(exc))})"
-            raise InferenceTimeoutError(msg, url=shown) from exc
-        except (NetworkError, RemoteProtocolError) as exc:
-            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
-            raise InferenceConnectionError(msg, url=shown) from exc
-        except LeanHTTPError as exc:
-            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
-            raise InferenceError(msg, url=shown) from exc
-        except httpx2.TimeoutException as exc:
-            msg = f"POST {shown} timed out ({self._redact(_describe(exc))})"
-            raise InferenceTimeoutError(msg, url=shown) from exc
-        except (httpx2.NetworkError, httpx2.RemoteProtocolError) as exc:
-            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
-            raise InferenceConnectionError(msg, url=shown) from exc
-        except httpx2.HTTPError as exc:
-            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
-            raise InferenceError(msg, url=shown) from exc
+        except (LeanHTTPError, httpx2.HTTPError) as exc:
+            raise self._transport_error(exc, shown) from exc
         finally:
             state.in_flight[index] -= 1
+
+    def _transport_error(self, exc: Exception, shown: str) -> InferenceError:
+        """The :class:`InferenceError` for a request to ``shown`` that got no response."""
+        if isinstance(exc, (LeanTimeout, httpx2.TimeoutException)):
+            msg = f"POST {shown} timed out ({self._redact(_describe(exc))})"
+            return InferenceTimeoutError(msg, url=shown)
+        if isinstance(
+            exc,
+            (NetworkError, RemoteProtocolError, httpx2.NetworkError, httpx2.RemoteProtocolError),
+        ):
+            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
+            return InferenceConnectionError(msg, url=shown)
+        msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
+        return InferenceError(msg, url=shown)
 
     def _redact(self, text: str) -> str:
         return _redact(text, self.api_key)
@@ -736,7 +1099,6 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
         msg = f"POST {shown} returned {status} {response.reason_phrase}"
         if server_message and server_message != response.reason_phrase:
             msg += f": {server_message}"
-        cls: type[InferenceError]
         if status in (400, 422):
             named = self._named_explicit(request, message, data, sent, index)
             if named:
@@ -746,25 +1108,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
                 return UnsupportedFieldError(
                     msg, fields=refused, url=shown, status=status, server_message=server_message
                 )
+        cls = _status_class(status)
         if status in (401, 403):
-            cls = AuthenticationError
             msg += " (check api_key or OPENAI_API_KEY)"
-        elif status == 408:
-            cls = InferenceTimeoutError
-        elif status == 409:
-            cls = ConflictError
-        elif status == 429:
-            cls = RateLimitError
-        elif 400 <= status < 500:
-            cls = BadRequestError
-            if status in (404, 405):
-                msg += self._api_root_hint(index, path, message)
-        elif status in (501, 505):
-            cls = NotSupportedError
-        elif status >= 500:
-            cls = ServerError
-        else:
-            cls = InferenceError
+        elif status in (404, 405):
+            msg += self._api_root_hint(index, path, message)
+        elif status < 400:
             msg += " (an unexpected status: is base_url the API root, such as '.../v1'?)"
         return cls(
             msg, url=shown, status=status, server_message=server_message, retry_after=retry_after
@@ -939,6 +1288,25 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _status_class(status: int) -> type[InferenceError]:
+    """The error class for an HTTP error status."""
+    if status in (401, 403):
+        return AuthenticationError
+    if status == 408:
+        return InferenceTimeoutError
+    if status == 409:
+        return ConflictError
+    if status == 429:
+        return RateLimitError
+    if 400 <= status < 500:
+        return BadRequestError
+    if status in (501, 505):
+        return NotSupportedError
+    if status >= 500:
+        return ServerError
+    return InferenceError
 
 
 def _message_json(message: ChatMessage) -> dict[str, Any]:
