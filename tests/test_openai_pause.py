@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from _openai_server import FakeOpenAIServer, Reply, serving
+from _openai_server import FakeOpenAIServer, Reply, serving, serving_in_thread
 
 from trio_rollouts import GenerationArgs
 from trio_rollouts.inference import (
     BadRequestError,
+    InferenceError,
     InferenceRequest,
     InferenceResponse,
     OpenAIInference,
@@ -432,3 +433,92 @@ async def test_the_server_holds_a_request_that_arrives_during_its_pause(
             await pausing.resume(1)
     assert call.result is not None
     assert call.result.response.content == "a: hello"
+
+
+# --------------------------------------------------------------------------- review fixes
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_server_pause_left_by_one_run_is_resumed_by_the_next() -> None:
+    """A server's pause outlives the Trio run that made it: when that run's resume
+    failed, a resume in a later run (a new trio.run, or a sync generate()) must still
+    resume the replica, or every call to it would wait forever."""
+    fake = FakeOpenAIServer(name="a", control="vllm", control_status={"/resume": 400})
+    with serving_in_thread(fake):
+        interface = make(fake.base_url, server="vllm", max_retries=0)
+
+        async def first_run() -> None:
+            await interface.pause("keep")
+            with pytest.raises(InferenceError):
+                await interface.resume(1)
+
+        trio.run(first_run)
+        del fake.control_status["/resume"]
+
+        async def second_run() -> bool:
+            await interface.resume(2)
+            with trio.move_on_after(5) as scope:
+                await interface.agenerate(ask(interface))
+            return scope.cancelled_caught
+
+        assert not trio.run(second_run)
+    assert [path for path, _ in fake.control_received] == ["/pause?mode=keep", "/resume", "/resume"]
+
+
+async def test_a_chat_call_aborted_before_its_first_token_is_sent_again() -> None:
+    """An empty final assistant message would be rendered as a closed turn: a call
+    aborted before any text is sent again as it was."""
+    fake = FakeOpenAIServer(name="b", control="vllm", gate=trio.Event(), abort_after=0)
+    async with serving(fake):
+        interface = make(fake.base_url, server="vllm")
+        call = Call()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call.run, interface, ask(interface, max_tokens=50))
+                await fake.wait_running(1)
+                await interface.pause("abort")
+                fake.gate.set()
+                await interface.resume(1)
+    first, second = (request.body for request in fake.received[:2])
+    assert second["messages"] == first["messages"]
+    assert "continue_final_message" not in second
+    assert call.result is not None
+    assert call.result.finish_reason != "abort"
+
+
+async def test_a_continued_call_reports_the_usage_of_one_call(vllm: FakeOpenAIServer) -> None:
+    interface = make(vllm.base_url, server="vllm")
+    call = Call()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call.run, interface, ask(interface))
+            await vllm.wait_running(1)
+            await interface.pause("abort")
+            assert vllm.gate is not None
+            vllm.gate.set()
+            await interface.resume(1)
+    result = call.result
+    assert result is not None
+    assert result.usage is not None
+    assert len(vllm.received) == 2  # the request and its continuation
+    usage = result.usage
+    # The stub counts a chat prompt's messages: 1 for the call's own prompt, 2 for the
+    # continuation's (the prompt and the partial answer), which must not be added.
+    assert usage["prompt_tokens"] == 1
+    assert usage["completion_tokens"] == len(result.response.content)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+async def test_aclose_during_a_pause_leaves_held_calls_working(vllm: FakeOpenAIServer) -> None:
+    vllm.gate = None
+    interface = make(vllm.base_url, server="vllm", max_retries=0)
+    with trio.fail_after(10):
+        await interface.agenerate(ask(interface))
+        call = Call()
+        async with trio.open_nursery() as nursery:
+            await interface.pause("drain")
+            nursery.start_soon(call.run, interface, ask(interface))
+            await eventually(lambda: interface.statistics().held == 1)
+            await interface.aclose()
+            await interface.resume(1)
+    assert call.result is not None

@@ -18,7 +18,7 @@ The endpoints (``docs/backends.md``, "Pausing for weight updates"):
 from __future__ import annotations
 
 import re
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeGuard
 
 import attrs
 import httpx2
@@ -60,14 +60,13 @@ class PauseState:
     calls whose request the server aborted wait on it before their continuation.
     ``server_pauses`` counts the server-side pauses begun in this run: a call that sees
     ``finish_reason == "abort"`` and a count that moved since it started was aborted by
-    a pause, and is continued. ``server_paused`` holds the replicas that may be paused
-    server-side (a pause was sent and not yet undone by a successful resume)."""
+    a pause, and is continued. (Which replicas may be paused server-side is kept on the
+    interface, across runs: a server's pause outlives the run that made it.)"""
 
     hold: trio.Event | None = None
     mode: WeightUpdateMode | None = None
     server_pauses: int = 0
     held: int = 0
-    server_paused: set[int] = attrs.field(factory=set)
 
     async def wait_resumed(self) -> None:
         """Wait until no pause holds calls. Cancellable; holds nothing."""
@@ -169,6 +168,11 @@ def continuation_body(
             if max_tokens - used <= 0:
                 return None
             new["max_tokens"] = max_tokens - used
+    if not generated:
+        # Nothing to continue from (aborted before its first token, or only hidden
+        # reasoning so far): an empty final assistant message would be rendered as a
+        # closed turn, so the request is sent again as it was.
+        return new
     if endpoint == "chat":
         new["messages"] = [*body["messages"], {"role": "assistant", "content": generated}]
         new["continue_final_message"] = True
@@ -179,26 +183,34 @@ def continuation_body(
     return new
 
 
-def _sum_usage(
+def _merge_usage(
     first: dict[str, Any] | None, second: dict[str, Any] | None
 ) -> dict[str, Any] | None:
+    """The usage of one call made of two requests: the first's prompt (the second's
+    repeats it, with the partial output), the completion tokens of both."""
     if first is None or second is None:
         return first if second is None else second
-    total = dict(first)
-    for key, value in second.items():
-        old = total.get(key)
-        numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (old, value))
-        total[key] = old + value if numbers else value
-    return total
+    merged = dict(first)
+    before, after = first.get("completion_tokens"), second.get("completion_tokens")
+    if _is_count(before) and _is_count(after):
+        merged["completion_tokens"] = completion = before + after
+        prompt = first.get("prompt_tokens")
+        if _is_count(prompt):
+            merged["total_tokens"] = prompt + completion
+    return merged
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def merge_continuation(
     first: InferenceResponse, continuation: InferenceResponse
 ) -> InferenceResponse:
     """One response from an aborted one and its continuation: the text of both, the
-    second's finish reason, usage summed, token ids and logprobs concatenated when
-    both have them (the continuation's prompt ids, which repeat the first part, are
-    dropped)."""
+    second's finish reason, the usage of one call (the first prompt, both completions),
+    token ids and logprobs concatenated when both have them (the continuation's prompt
+    ids, which repeat the first part, are dropped)."""
     content = first.response.content + continuation.response.content
     extra = {**first.response.extra, **continuation.response.extra}
     reply = attrs.evolve(continuation.response, content=content, extra=extra)
@@ -225,5 +237,5 @@ def merge_continuation(
         kv_cache_epoch=first.kv_cache_epoch,
         num_evictions=first.num_evictions + continuation.num_evictions,
         finish_reason=continuation.finish_reason,
-        usage=_sum_usage(first.usage, continuation.usage),
+        usage=_merge_usage(first.usage, continuation.usage),
     )

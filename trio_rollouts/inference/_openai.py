@@ -454,7 +454,11 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         ),
     )
     # The policy epoch: mutable, and kept across runs (resume() in one, generate() in
-    # the next); the pause itself lives with each run.
+    # the next); the client-side hold lives with each run.
+    # The replicas that may be paused server-side (a pause was sent and no resume has
+    # succeeded since): a server's pause outlives the Trio run that made it, so this is
+    # kept across runs, and a resume in any later run resumes them.
+    _server_paused: set[int] = attrs.field(init=False, repr=False, factory=set)
     _epoch: _EpochBox = attrs.field(init=False, repr=False, factory=lambda: _EpochBox())
     _pause_var: trio.lowlevel.RunVar[PauseState | None] = attrs.field(
         init=False,
@@ -668,14 +672,17 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         path, body = pause_call(server, mode)
         failures: dict[int, InferenceError] = {}
 
+        server_paused = self._server_paused
+
         async def pause_one(index: int) -> None:
-            pause.server_paused.add(index)
+            paused_before = index in server_paused
+            server_paused.add(index)
             try:
                 await self._control(state, index, path, body)
             except InferenceError as exc:
                 failures[index] = exc
-                if exc.status is not None and 400 <= exc.status < 500:
-                    pause.server_paused.discard(index)  # refused: not paused
+                if exc.status is not None and 400 <= exc.status < 500 and not paused_before:
+                    server_paused.discard(index)  # refused: this pause did not pause it
 
         async with trio.open_nursery() as nursery:
             for index in range(len(self.base_url)):
@@ -725,7 +732,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         paused = pause.hold is not None
         failures: dict[int, InferenceError] = {}
         try:
-            if server is not None and (paused or pause.server_paused):
+            if server is not None and (paused or self._server_paused):
                 new_version = epoch if paused and epoch != self._epoch.value else None
                 with trio.CancelScope(shield=True) as scope:
                     scope.deadline = trio.current_time() + _RESUME_TIMEOUT
@@ -733,13 +740,13 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
                         for index in range(len(self.base_url)):
                             calls = resume_calls(
                                 server,
-                                paused=index in pause.server_paused,
+                                paused=index in self._server_paused,
                                 new_version=new_version,
                             )
                             if calls:
                                 nursery.start_soon(self._resume_one, state, index, calls, failures)
                 if scope.cancelled_caught:
-                    for index in pause.server_paused - failures.keys():
+                    for index in self._server_paused - failures.keys():
                         shown = self._shown_urls[index]
                         failures[index] = InferenceTimeoutError(
                             f"resuming {shown} did not finish within {_RESUME_TIMEOUT} s",
@@ -763,7 +770,6 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         calls: list[tuple[str, dict[str, Any] | None]],
         failures: dict[int, InferenceError],
     ) -> None:
-        pause = state.pause
         first: InferenceError | None = None
         for path, body in calls:  # every call is made, even after one fails
             try:
@@ -772,7 +778,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
                 first = first or exc
             else:
                 if path in _RESUME_PATHS:
-                    pause.server_paused.discard(index)
+                    self._server_paused.discard(index)
         if first is not None:
             failures[index] = first
 
@@ -864,6 +870,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         pause = state.pause
         if pause.hold is not None:
             await pause.wait_resumed()
+            state = self._state()  # aclose() during the pause closed the old client
         epoch = self._epoch.value
         server_pauses = pause.server_pauses
         # The first attempt runs outside stamina: a request that succeeds at once (nearly
@@ -904,6 +911,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         merged = response
         while merged.finish_reason == ABORT:
             await pause.wait_resumed()
+            state = self._state()  # aclose() during the pause closed the old client
             if server is None:  # pragma: no cover - only a server-side pause aborts
                 break
             server_pauses = pause.server_pauses
