@@ -873,22 +873,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             state = self._state()  # aclose() during the pause closed the old client
         epoch = self._epoch.value
         server_pauses = pause.server_pauses
-        # The first attempt runs outside stamina: a request that succeeds at once (nearly
-        # all of them) costs no retry machinery. Only a transient failure enters it.
-        try:
-            response = await self._attempt(state, request, body, path)
-        except TRANSIENT_ERRORS as exc:
-            if self.max_retries == 0:
-                raise
-            first = exc
-        else:
-            if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
-                response = await self._continue_aborted(state, request, body, path, response)
-            if not response.policy_epoch:
-                response.policy_epoch = [(0, epoch)]
-            return response
-        # Outside the except block, so that a later failure is not chained to the first.
-        response = await self._retried(first, state, request, body, path)
+        response = await self._attempt_with_retries(state, request, body, path)
         if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
             response = await self._continue_aborted(state, request, body, path, response)
         if not response.policy_epoch:
@@ -929,12 +914,16 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     async def _attempt_with_retries(
         self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
     ) -> InferenceResponse:
+        """One request and its retries. The first attempt runs outside stamina: a request
+        that succeeds at once (nearly all of them) costs no retry machinery; only a
+        transient failure enters it (see ``_retried``)."""
         try:
             return await self._attempt(state, request, body, path)
         except TRANSIENT_ERRORS as exc:
             if self.max_retries == 0:
                 raise
             first = exc
+        # Outside the except block, so that a later failure is not chained to the first.
         return await self._retried(first, state, request, body, path)
 
     async def _retried(
