@@ -269,6 +269,7 @@ def test_unknown_keys_of_nested_records_survive_a_round_trip() -> None:
         "rollouts": [text_data(a=1), token_data(b=[2])],
         "batch_id": 3,
         "index_in_batch": 1,
+        "start_epoch": 2,
         "c": None,
     }
     assert unstructure(structure(data, RolloutGroup)) == data

@@ -45,6 +45,7 @@ from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
 from ._stream import EnvironmentStatistics as EnvironmentStatistics
 from ._stream import RolloutStream as RolloutStream
 from ._stream import RolloutStreamStatistics as RolloutStreamStatistics
+from ._weight_update import WeightUpdate as WeightUpdate
 from .inference import TRANSIENT_ERRORS as TRANSIENT_ERRORS
 from .inference import EmbeddedInference as EmbeddedInference
 from .inference import InferenceError as InferenceError

@@ -211,11 +211,33 @@ class RolloutRequest(Request):
     validation: bool = attrs.field(default=False, validator=_check_bool)
 
 
+def _optional_int_at_least(minimum: int) -> Any:
+    """A validator: the field is ``None`` or an int ``>= minimum``."""
+    check = _int_at_least(minimum)
+
+    def check_optional(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is None:
+            return
+        if not _is_int(value):
+            msg = f"{attribute.name} must be an int >= {minimum} or None, got {value!r}"
+            raise TypeError(msg)
+        check(instance, attribute, value)
+
+    return check_optional
+
+
 @attrs.define(kw_only=True)
 class GroupedRolloutRequest(Request):
     """Ask an agent for groups of rollouts (GRPO): ``num_groups`` groups per batch, each of
     ``rollouts_per_group`` rollouts. See :meth:`GroupedRolloutGenerator.get_grouped_rollouts`
-    for what ``streaming``, ``enforce_order`` and ``filter_groups_with_same_reward`` do."""
+    for what ``streaming``, ``enforce_order`` and ``filter_groups_with_same_reward`` do.
+
+    Weight updates (see :meth:`RolloutStream.weight_update`): ``initial_epoch`` is the
+    stream's first policy epoch (``None``: the interface's ``policy_epoch`` when it is
+    :class:`~trio_rollouts.inference.Pausable`, else 0; an explicit value is given to a
+    Pausable interface when the stream opens). ``max_staleness`` bounds how many epochs
+    older than the stream's a delivered group's ``start_epoch`` may be (``None``: no
+    bound)."""
 
     num_groups: int = attrs.field(validator=_int_at_least(1))
     rollouts_per_group: int = attrs.field(validator=_int_at_least(1))
@@ -224,6 +246,8 @@ class GroupedRolloutRequest(Request):
     filter_groups_with_same_reward: bool = attrs.field(default=False, validator=_check_bool)
     streaming: bool = attrs.field(default=False, validator=_check_bool)
     enforce_order: bool = attrs.field(default=False, validator=_check_bool)
+    initial_epoch: int | None = attrs.field(default=None, validator=_optional_int_at_least(0))
+    max_staleness: int | None = attrs.field(default=None, validator=_optional_int_at_least(0))
 
 
 def _check_interface_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -432,10 +456,17 @@ class RolloutGroup(_Record):
     rollouts: list[Rollout | TokenRollout] = attrs.field(validator=_check_rollouts)
     batch_id: int = attrs.field(default=0, validator=_int_at_least(0))
     index_in_batch: int = attrs.field(default=0, validator=_int_at_least(0))
+    #: The stream's policy epoch when the ``group_rollout`` call that made the group
+    #: started (see ``GroupedRolloutRequest.max_staleness``).
+    start_epoch: int = attrs.field(default=0, validator=_int_at_least(0))
 
     @classmethod
     def _checked_by_caller(
-        cls, rollouts: list[Rollout | TokenRollout], batch_id: int, index_in_batch: int
+        cls,
+        rollouts: list[Rollout | TokenRollout],
+        batch_id: int,
+        index_in_batch: int,
+        start_epoch: int = 0,
     ) -> RolloutGroup:
         """Build a group without running validators: for the pipeline's hot path, which
         has checked the rollouts and makes the slot numbers itself."""
@@ -445,6 +476,7 @@ class RolloutGroup(_Record):
         set_slot(group, "rollouts", rollouts)
         set_slot(group, "batch_id", batch_id)
         set_slot(group, "index_in_batch", index_in_batch)
+        set_slot(group, "start_epoch", start_epoch)
         return group
 
     def __iter__(self) -> Iterator[Rollout | TokenRollout]:

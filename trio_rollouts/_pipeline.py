@@ -64,7 +64,7 @@ from ._concurrency import describe_error, flatten_exception_groups, real_leaves
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._stream import RolloutStream
-from .inference import ReturnsRaw
+from .inference import Pausable, ReturnsRaw
 
 if TYPE_CHECKING:
     from ._agents import GroupedRolloutGenerator
@@ -138,10 +138,22 @@ def _without_cancelled(exc: BaseException) -> BaseException:
     return exc
 
 
-#: What a worker was doing when the watchdog cancelled its timer: the slot and the
-#: call's failure (a GroupTimeoutError, or what the call raised as it was cancelled),
-#: not yet booked.
-_Resume = tuple[int, int, BaseException]
+#: What a worker was doing when its timer was cancelled: the slot and the call's
+#: failure (a GroupTimeoutError, or what the call raised as it was cancelled), not yet
+#: booked; or ``None`` for a call that a weight update dropped (booked already), whose
+#: slot is generated again.
+_Resume = tuple[int, int, BaseException | None]
+
+
+class _Dropped(BaseException):
+    """A call that a weight update cancelled (restart, or the staleness bound), booked as
+    restarted or stale: it carries the slot out of the worker's cancelled timer, to be
+    generated again. Never leaves the worker."""
+
+    def __init__(self, batch_id: int, index: int) -> None:
+        super().__init__(batch_id, index)
+        self.batch_id = batch_id
+        self.index = index
 
 
 class EnvironmentCounters:
@@ -159,6 +171,77 @@ class EnvironmentCounters:
 class _Pipeline:
     """The state shared by the workers and the stream. Only Trio tasks of one run touch
     it, so plain attributes need no lock: every update happens between checkpoints."""
+
+    # Slots: attribute reads on the hot path are measurably faster than through a dict.
+    __slots__ = (
+        "agent",
+        "blocked_senders",
+        "call_epoch",
+        "call_started",
+        "cancelled",
+        "close_when_sent",
+        "closed",
+        "coming_to_claim",
+        "completed",
+        "consecutive_filtered",
+        "deadlines",
+        "delivered",
+        "drop_reason",
+        "env_counters",
+        "env_of_slot",
+        "epoch",
+        "failed",
+        "fast",
+        "filtered",
+        "filtering",
+        "free_slots",
+        "frozen_at",
+        "generate",
+        "group_timeout",
+        "groups_left_to_send",
+        "idle_workers",
+        "in_flight",
+        "last_errors",
+        "max_consecutive_filtered",
+        "max_outstanding",
+        "max_staleness",
+        "may_retry",
+        "mixed",
+        "next_batch_id",
+        "num_groups",
+        "outstanding_batches",
+        "park_when_idle",
+        "policy",
+        "policy_is_trivial",
+        "raised",
+        "receive_channel",
+        "request",
+        "restarted",
+        "result_epoch",
+        "retries",
+        "send_channel",
+        "skipped",
+        "skipping",
+        "stale",
+        "started",
+        "streaming",
+        "taken_in_batch",
+        "thawed",
+        "timed",
+        "timeouts",
+        "timers",
+        "unstamped_epochs",
+        "untaken",
+        "update_gate",
+        "update_in_progress",
+        "update_progress",
+        "updating",
+        "waiting_to_retry",
+        "watchdog_nap",
+        "watching",
+        "weight_updates",
+        "woken_senders",
+    )
 
     def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
         self.agent = agent
@@ -199,6 +282,39 @@ class _Pipeline:
         workers = self.worker_count()
         self.timers: list[trio.CancelScope] = [trio.CancelScope() for _ in range(workers)]
         self.call_started: list[float] = [math.inf] * workers
+        # Weight updates (see _weight_update.py). ``epoch`` is the stream's policy epoch;
+        # while ``updating``, no call starts (workers wait in wait_for_update).
+        # call_epoch[n] is the epoch of worker n's call in flight (None when it makes
+        # none); drop_reason[n] is set when an update cancels that call's timer to drop
+        # it ("restart" or "stale"); result_epoch[n] is the epoch of its last call that
+        # returned (the slow path's start_epoch).
+        self.epoch = 0
+        self.max_staleness = request.max_staleness
+        self.updating = False
+        # Whether calls that end must be reported to an update (``updating``, or calls
+        # it dropped have not all exited).
+        self.watching = False
+        self.update_gate = trio.lowlevel.ParkingLot()
+        self.update_progress = trio.lowlevel.ParkingLot()
+        self.call_epoch: list[int | None] = [None] * workers
+        self.drop_reason: list[str | None] = [None] * workers
+        self.result_epoch: list[int] = [0] * workers
+        # The epochs of keep/abort updates with a backend that does not stamp where the
+        # epoch changed: a call that went on through one is counted in ``mixed``.
+        self.unstamped_epochs: list[int] = []
+        # While a keep/abort update holds calls, deadlines stand still: frozen_at is when
+        # they stopped; deadlines maps each slow-path attempt's scope to its remaining
+        # time while frozen.
+        self.frozen_at: float | None = None
+        self.thawed = trio.Event()
+        self.deadlines: dict[trio.CancelScope, float] = {}
+        self.watchdog_nap = trio.CancelScope()
+        self.update_in_progress = False
+        self.closed = False
+        # With a staleness bound, a group found too old when it is taken is generated
+        # again in its slot: workers must outlive a non-streaming batch's last send.
+        self.park_when_idle = self.streaming or self.max_staleness is not None
+        self.close_when_sent = not self.park_when_idle
         # Wake-up accounting (see wake_workers): workers that are runnable and will look
         # for a free slot before they next block.
         self.coming_to_claim = 0
@@ -217,6 +333,10 @@ class _Pipeline:
         self.raised = 0
         self.waiting_to_retry = 0
         self.cancelled = 0
+        self.restarted = 0
+        self.stale = 0
+        self.mixed = 0
+        self.weight_updates = 0
         # Accepted groups the consumer has not taken (buffered, in a sender's hands, handed
         # to a consumer that has not run yet, or reordering): the ledger's "pending".
         self.untaken = 0
@@ -265,16 +385,111 @@ class _Pipeline:
         if self.streaming:
             self.submit_batch()
 
+    # ---------------------------------------------------------------- weight updates
+
+    async def wait_for_update(self) -> None:
+        """Hold a call that is about to start until the weight update is over."""
+        while self.updating:
+            await self.update_gate.park()
+
+    def drop_calls(self, reason: str, older_than: int | None) -> int:
+        """Cancel the calls in flight (those that started before epoch ``older_than``,
+        or all of them when it is ``None``) to be generated again; return how many."""
+        dropped = 0
+        for number, epoch in enumerate(self.call_epoch):
+            if epoch is None or self.drop_reason[number] is not None:
+                continue
+            if older_than is not None and epoch >= older_than:
+                continue
+            self.drop_reason[number] = reason
+            self.timers[number].cancel()
+            dropped += 1
+        return dropped
+
+    def dropping(self) -> bool:
+        """Whether a call that an update dropped has not exited yet."""
+        return any(reason is not None for reason in self.drop_reason)
+
+    def call_ended_in_update(self, number: int) -> bool:
+        """Worker ``number``'s call ended while an update waits for calls to end: wake
+        the update, and book the call if the update dropped it (returns True)."""
+        self.update_progress.unpark_all()
+        reason = self.drop_reason[number]
+        if reason is None:
+            return False
+        self.drop_reason[number] = None
+        if reason == "restart":
+            self.restarted += 1
+        else:
+            self.stale += 1
+        if not self.updating and not self.dropping():
+            self.watching = False  # an update cancelled before its body left drops
+        return True
+
+    def count_spanning(self, start_epoch: int) -> None:
+        """A call that started under ``start_epoch`` returned under a later epoch: it went
+        on through a keep/abort update. When a backend of such an update does not stamp
+        where the epoch changed, its group is counted in ``mixed``."""
+        if any(start_epoch < epoch <= self.epoch for epoch in self.unstamped_epochs):
+            self.mixed += 1
+
+    def calls_in_flight(self) -> list[int]:
+        return [number for number, epoch in enumerate(self.call_epoch) if epoch is not None]
+
+    def freeze_deadlines(self) -> None:
+        """Stop the clocks of the calls in flight (a keep/abort update holds them)."""
+        now = trio.current_time()
+        self.frozen_at = now
+        self.thawed = trio.Event()
+        self.watchdog_nap.cancel()
+        for scope in self.deadlines:
+            self.deadlines[scope] = scope.deadline - now
+            scope.deadline = math.inf
+
+    def thaw_deadlines(self) -> None:
+        """Start the clocks again, less the time they stood still."""
+        if self.frozen_at is None:
+            return
+        now = trio.current_time()
+        held = now - self.frozen_at
+        self.frozen_at = None
+        started = self.call_started
+        for number, start in enumerate(started):
+            if start != math.inf:
+                started[number] = start + held
+        for scope, remaining in self.deadlines.items():
+            scope.deadline = now + remaining
+        self.thawed.set()
+
+    def is_stale(self, group: RolloutGroup) -> bool:
+        bound = self.max_staleness
+        return bound is not None and self.epoch - group.start_epoch > bound
+
+    def regenerate_stale(self, group: RolloutGroup) -> None:
+        """A finished group that is too old to hand over: drop it and generate its slot
+        again, before any other free slot."""
+        self.untaken -= 1
+        self.stale += 1
+        self.free_slots.appendleft((group.batch_id, group.index_in_batch))
+        self.wake_workers()
+
     # ---------------------------------------------------------------- workers
 
     async def worker(self, number: int) -> None:
         """Worker ``number``'s life: its loop runs inside its timer (see ``watchdog``),
-        and starts again in a new timer each time the watchdog has cancelled one."""
+        and starts again in a new timer each time the watchdog, or a weight update, has
+        cancelled one."""
         resume: _Resume | None = None
         while True:
             timer = self.timers[number] = trio.CancelScope()
-            with timer:
-                resume = await self.work(number, timer, resume)
+            try:
+                with timer:
+                    resume = await self.work(number, timer, resume)
+            except _Dropped as dropped:
+                # A weight update cancelled the call (restart, or the staleness bound):
+                # the slot is generated again, after the update.
+                resume = (dropped.batch_id, dropped.index, None)
+                continue
             if resume is None:
                 return
 
@@ -282,28 +497,35 @@ class _Pipeline:
         self, number: int, timer: trio.CancelScope, resume: _Resume | None
     ) -> _Resume | None:
         """Claim slots, generate their groups and hand them over, until there is nothing
-        left to claim (``None``) or the watchdog cancelled ``timer`` (what the worker
-        was doing when it did, to be finished in a new timer)."""
+        left to claim (``None``) or ``timer`` was cancelled (what the worker was doing
+        when it was, to be finished in a new timer)."""
         while True:
             if resume is not None:
                 batch_id, index, late = resume
                 resume = None
-                try:
-                    # The pipeline may be shutting down: then the call ended in the
-                    # shutdown (as a call under a cancel scope of its own would), not in
-                    # a failure to retry, skip or raise.
+                if late is None:
+                    # A call dropped by a weight update (booked as restarted or stale):
+                    # its slot is generated again (by the general path), unless the
+                    # pipeline is shutting down.
                     await trio.lowlevel.checkpoint_if_cancelled()
-                except trio.Cancelled:
-                    self.cancelled += 1
-                    raise
-                self.call_raised(late, None)
-                group = await self.after_failure(batch_id, index, late)
+                    group = await self.accepted_group(batch_id, index, number)
+                else:
+                    try:
+                        # The pipeline may be shutting down: then the call ended in the
+                        # shutdown (as a call under a cancel scope of its own would), not
+                        # in a failure to retry, skip or raise.
+                        await trio.lowlevel.checkpoint_if_cancelled()
+                    except trio.Cancelled:
+                        self.cancelled += 1
+                        raise
+                    self.call_raised(late, None)
+                    group = await self.after_failure(batch_id, index, late, number)
             else:
                 # A worker released from send during shutdown must not start a new call
                 # (this does not yield unless cancelled).
                 await trio.lowlevel.checkpoint_if_cancelled()
                 if not self.free_slots:
-                    if not self.streaming:
+                    if not self.park_when_idle:
                         return None
                     await self.idle_workers.park()
                     self.coming_to_claim -= 1
@@ -311,15 +533,19 @@ class _Pipeline:
                 batch_id, index = self.free_slots.popleft()
                 self.wake_workers()
                 if not self.fast:
-                    group = await self.accepted_group(batch_id, index)
+                    group = await self.accepted_group(batch_id, index, number)
                 else:
                     # The common case (no filtering, one environment): the first attempt
                     # inlined, since every coroutine layer between the worker and
                     # group_rollout costs on each resume, and timed by the watchdog
                     # rather than by a cancel scope of its own, which costs more than
                     # the rest of a group's trip through the pipeline.
+                    if self.updating:
+                        await self.wait_for_update()
+                    epoch = self.epoch
                     self.started += 1
                     self.in_flight += 1
+                    self.call_epoch[number] = epoch
                     if self.timed:
                         self.call_started[number] = trio.current_time()
                     failure: BaseException | None = None
@@ -327,8 +553,11 @@ class _Pipeline:
                         result = await self.generate(batch_id, index)
                     except BaseException as exc:
                         self.in_flight -= 1
+                        self.call_epoch[number] = None
                         if self.timed:
                             self.call_started[number] = math.inf
+                        if self.watching and self.call_ended_in_update(number):
+                            return (batch_id, index, None)  # dropped by the update
                         if timer.cancel_called:
                             # The watchdog's deadline: leave the timer before anything
                             # that could checkpoint, and go on in a new one.
@@ -343,6 +572,13 @@ class _Pipeline:
                         failure = exc
                     else:
                         self.in_flight -= 1
+                        self.call_epoch[number] = None
+                        if self.watching and self.call_ended_in_update(number):
+                            # Returned after the update cancelled it: dropped all the
+                            # same.
+                            if self.timed:
+                                self.call_started[number] = math.inf
+                            return (batch_id, index, None)
                         if self.timed and self.overdue(number, timer):
                             # Returned at or after its deadline: a timeout, as under a
                             # cancel scope of its own (see attempt).
@@ -352,12 +588,14 @@ class _Pipeline:
                             self.call_raised(failure, None)
                         else:
                             self.completed += 1
+                            if epoch != self.epoch:
+                                self.count_spanning(epoch)
                     if failure is None:
-                        group = self.checked_group(result, batch_id, index, None)
+                        group = self.checked_group(result, batch_id, index, None, epoch)
                     else:
                         # Outside the except block, so that a later failure is not
                         # chained to this one.
-                        group = await self.after_failure(batch_id, index, failure)
+                        group = await self.after_failure(batch_id, index, failure, number)
                         del failure
             self.untaken += 1
             if self.blocked_senders > self.woken_senders:
@@ -384,7 +622,7 @@ class _Pipeline:
                 # Woken by a receive (counted in channel_received), not cancelled.
                 self.woken_senders -= 1
                 self.coming_to_claim -= 1
-            if not self.streaming:
+            if self.close_when_sent:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
                     self.send_channel.close()
@@ -394,7 +632,9 @@ class _Pipeline:
         (and end its timing)."""
         due = self.call_started[number] + self.group_timeout  # type: ignore[operator]
         self.call_started[number] = math.inf
-        return timer.cancel_called or trio.current_time() >= due
+        # While a keep/abort update holds calls, their clocks stand still.
+        now = trio.current_time() if self.frozen_at is None else self.frozen_at
+        return timer.cancel_called or now >= due
 
     async def watchdog(self) -> None:
         """Enforce ``group_timeout`` on the first attempts of the fast path: cancel the
@@ -411,6 +651,10 @@ class _Pipeline:
             return
         started = self.call_started
         while True:
+            if self.frozen_at is not None:
+                # A keep/abort update holds the calls: their time does not count.
+                await self.thawed.wait()
+                continue
             now = trio.current_time()
             wake = now + timeout
             for number, start in enumerate(started):
@@ -420,10 +664,11 @@ class _Pipeline:
                     self.timers[number].cancel()
                 elif due < wake:
                     wake = due
-            await trio.sleep_until(wake)
+            with trio.CancelScope() as self.watchdog_nap:
+                await trio.sleep_until(wake)
 
     async def after_failure(
-        self, batch_id: int, index: int, failure: BaseException
+        self, batch_id: int, index: int, failure: BaseException, number: int
     ) -> RolloutGroup:
         """The slow path of a slot whose first attempt failed (booked as failed already):
         retry it, skip it or raise, as the policy says."""
@@ -433,17 +678,17 @@ class _Pipeline:
         try:
             if not self.may_retry or not self.policy.is_transient(failure):
                 raise failure
-            result = await self.retried(failure, batch_id, index, None)
+            result = await self.retried(failure, batch_id, index, None, number)
         except Exception as exc:
             if not self.skipping:
                 self.raised += 1
                 raise
             self.skip(exc, batch_id, index)
         else:
-            return self.checked_group(result, batch_id, index, None)
+            return self.checked_group(result, batch_id, index, None, self.result_epoch[number])
         # A loop of instantly failing calls must stay cancellable.
         await trio.lowlevel.checkpoint()
-        return await self.accepted_group(batch_id, index)
+        return await self.accepted_group(batch_id, index, number)
 
     def timeout_error(self, batch_id: int, index: int) -> GroupTimeoutError:
         msg = (
@@ -452,16 +697,16 @@ class _Pipeline:
         )
         return GroupTimeoutError(msg)
 
-    async def accepted_group(self, batch_id: int, index: int) -> RolloutGroup:
+    async def accepted_group(self, batch_id: int, index: int, number: int) -> RolloutGroup:
         """Generate the group of one slot: regenerate it while it is filtered or skipped,
         retry it while it fails transiently (see FailurePolicy)."""
         env = None if self.env_of_slot is None else self.env_counters_of(batch_id, index)
         while True:
             try:
                 if self.policy_is_trivial:
-                    result = await self.attempt(batch_id, index, env)
+                    result = await self.attempt(batch_id, index, env, number)
                 else:
-                    result = await self.attempts(batch_id, index, env)
+                    result = await self.attempts(batch_id, index, env, number)
             except Exception as exc:
                 if not self.skipping:
                     self.raised += 1
@@ -470,7 +715,7 @@ class _Pipeline:
                 # A loop of instantly failing calls must stay cancellable.
                 await trio.lowlevel.checkpoint()
                 continue
-            group = self.checked_group(result, batch_id, index, env)
+            group = self.checked_group(result, batch_id, index, env, self.result_epoch[number])
             if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
                 self.consecutive_filtered = 0
                 return group
@@ -490,16 +735,24 @@ class _Pipeline:
             # A filtering loop over instant group_rollout calls must stay cancellable.
             await trio.lowlevel.checkpoint()
 
-    async def attempt(self, batch_id: int, index: int, env: EnvironmentCounters | None) -> object:
-        """One ``group_rollout`` call, under the group deadline if there is one.
+    async def attempt(
+        self, batch_id: int, index: int, env: EnvironmentCounters | None, number: int
+    ) -> object:
+        """One ``group_rollout`` call by worker ``number``, under the group deadline if
+        there is one; the epoch it started under is left in ``result_epoch[number]``.
 
         A failure is booked as failed; what becomes of it (retried, skipped, raised) is
         the caller's to book, except for a failure that is not an ``Exception`` (an
         exception group holding ``Cancelled`` beside an error, at shutdown), which can
-        only propagate and is booked as raised here.
+        only propagate and is booked as raised here. A call that a weight update drops
+        is booked as restarted or stale and raises :class:`_Dropped`.
         """
+        if self.updating:
+            await self.wait_for_update()
+        epoch = self.epoch
         self.started += 1
         self.in_flight += 1
+        self.call_epoch[number] = epoch
         if env is not None:
             env.started += 1
         try:
@@ -507,37 +760,57 @@ class _Pipeline:
                 result = await self.generate(batch_id, index)
             else:
                 with trio.move_on_after(self.group_timeout) as deadline:
-                    result = await self.generate(batch_id, index)
+                    self.deadlines[deadline] = math.inf
+                    try:
+                        result = await self.generate(batch_id, index)
+                    finally:
+                        del self.deadlines[deadline]
                 # A call still running at its deadline is cancelled, and one that
                 # returns at or after it (running without a checkpoint) is late too.
                 if deadline.cancelled_caught or trio.current_time() >= deadline.deadline:
                     raise self.timeout_error(batch_id, index)
         except BaseException as exc:
             self.in_flight -= 1
+            self.call_epoch[number] = None
+            if self.watching and self.call_ended_in_update(number):
+                raise _Dropped(batch_id, index) from None
             if self.call_raised(exc, env) and not isinstance(exc, Exception):
                 self.raised += 1
             raise
         self.in_flight -= 1
+        self.call_epoch[number] = None
+        if self.watching and self.call_ended_in_update(number):
+            raise _Dropped(batch_id, index)
         self.completed += 1
+        self.result_epoch[number] = epoch
+        if epoch != self.epoch:
+            self.count_spanning(epoch)
         return result
 
-    async def attempts(self, batch_id: int, index: int, env: EnvironmentCounters | None) -> object:
+    async def attempts(
+        self, batch_id: int, index: int, env: EnvironmentCounters | None, number: int
+    ) -> object:
         """The attempts of one group until one succeeds or a failure is final.
 
         The first attempt runs outside stamina, so a group that succeeds at once costs
         no retry machinery; only a transient failure enters it (see ``retried``).
         """
         try:
-            return await self.attempt(batch_id, index, env)
+            return await self.attempt(batch_id, index, env, number)
         except Exception as exc:
             if not self.may_retry or not self.policy.is_transient(exc):
                 raise
             first = exc
         # Outside the except block, so that a later failure is not chained to the first.
-        return await self.retried(first, batch_id, index, env)
+        return await self.retried(first, batch_id, index, env, number)
 
     async def retried(
-        self, first: Exception, batch_id: int, index: int, env: EnvironmentCounters | None
+        self,
+        first: Exception,
+        batch_id: int,
+        index: int,
+        env: EnvironmentCounters | None,
+        number: int,
     ) -> object:
         """Attempts 2, 3, ... of a group whose first attempt failed transiently with
         ``first``.
@@ -568,7 +841,7 @@ class _Pipeline:
                     self.waiting_to_retry -= 1
                     self.retries += 1
                     try:
-                        return await self.attempt(batch_id, index, env)
+                        return await self.attempt(batch_id, index, env, number)
                     except Exception:
                         waiting = True
                         self.waiting_to_retry += 1
@@ -596,11 +869,16 @@ class _Pipeline:
         return True
 
     def checked_group(
-        self, result: object, batch_id: int, index: int, env: EnvironmentCounters | None
+        self,
+        result: object,
+        batch_id: int,
+        index: int,
+        env: EnvironmentCounters | None,
+        start_epoch: int,
     ) -> RolloutGroup:
         """make_group, booking a broken group contract as a failed call."""
         try:
-            return self.make_group(result, batch_id, index)
+            return self.make_group(result, batch_id, index, start_epoch)
         except Exception as exc:
             self.count_failure(exc, env)
             self.raised += 1  # a broken contract is never retried or skipped
@@ -626,7 +904,9 @@ class _Pipeline:
             )
             raise FailureBudgetExceededError(msg, skipped=self.skipped, last_error=last) from last
 
-    def make_group(self, result: object, batch_id: int, index: int) -> RolloutGroup:
+    def make_group(
+        self, result: object, batch_id: int, index: int, start_epoch: int
+    ) -> RolloutGroup:
         """Check what ``group_rollout`` returned and wrap it in its slot's RolloutGroup."""
         rollouts = result.rollouts if isinstance(result, RolloutGroup) else result
         if type(rollouts) is not list:
@@ -640,7 +920,7 @@ class _Pipeline:
             msg = f"{where} returned an empty group; a group needs at least one rollout"
             raise ValueError(msg)
         if not self.filtering and set(map(type, rollouts)) <= _ROLLOUT_TYPES:
-            return RolloutGroup._checked_by_caller(rollouts, batch_id, index)
+            return RolloutGroup._checked_by_caller(rollouts, batch_id, index, start_epoch)
         for i, rollout in enumerate(rollouts):
             if not isinstance(rollout, (Rollout, TokenRollout)):
                 msg = (
@@ -657,7 +937,7 @@ class _Pipeline:
                         "filtering groups by reward needs finite float rewards"
                     )
                     raise ValueError(msg)
-        return RolloutGroup._checked_by_caller(rollouts, batch_id, index)
+        return RolloutGroup._checked_by_caller(rollouts, batch_id, index, start_epoch)
 
     def where(self, batch_id: int, index: int) -> str:
         return f"{type(self.agent).__name__}.group_rollout (batch_id={batch_id}, index={index})"
@@ -680,6 +960,13 @@ async def open_grouped_rollouts(
     """Run the pipeline for the duration of an ``async with``; see the module docstring."""
     pipeline = _Pipeline(agent, request)
     stream = RolloutStream._from_pipeline(pipeline)
+    interface = request.inference_interface
+    if request.initial_epoch is None:
+        pipeline.epoch = interface.policy_epoch if isinstance(interface, Pausable) else 0
+    else:
+        pipeline.epoch = request.initial_epoch
+        if isinstance(interface, Pausable):
+            await interface.resume(request.initial_epoch)
     consumer_errors: list[BaseException] = []  # the body's own exception is not flattened
     with flatten_exception_groups(consumer_errors), pipeline.send_channel, pipeline.receive_channel:
         try:
@@ -699,6 +986,7 @@ async def open_grouped_rollouts(
                     # Invariant 6: cancel the producers before the channels close.
                     nursery.cancel_scope.cancel()
         finally:
+            pipeline.closed = True
             # The ledger: finished groups nobody took end as cancelled at shutdown.
             discarded = stream._discard_untaken()
             pipeline.untaken -= discarded

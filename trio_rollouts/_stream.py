@@ -10,16 +10,19 @@ group of an outstanding one.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from ._models import RolloutGroup
+from ._weight_update import WeightUpdate, open_weight_update
 
 if TYPE_CHECKING:
     from ._pipeline import _Pipeline
+    from .inference import InferenceInterface, WeightUpdateMode
 
 __all__ = ["EnvironmentStatistics", "RolloutStream", "RolloutStreamStatistics"]
 
@@ -80,6 +83,14 @@ class RolloutStreamStatistics:
     - ``outstanding_batches``: submitted batches whose last group is not yet taken.
     - ``per_env``: for agents that route groups to environments (``WeightedMultiTask``),
       the counters of each environment by ``env_id``; empty otherwise.
+    - ``policy_epoch``: the stream's policy epoch (see :meth:`RolloutStream.weight_update`).
+    - ``weight_updates``: weight updates whose body returned.
+    - ``restarted``: calls cancelled by a ``restart`` update, their slots generated again.
+    - ``stale``: calls cancelled by an update because they would exceed
+      ``max_staleness``, and finished groups found too old when they were taken; their
+      slots are generated again.
+    - ``mixed``: groups whose generation spanned a keep/abort update on a backend that
+      does not stamp where the epoch changed (not a ledger term).
     """
 
     started: int
@@ -100,6 +111,11 @@ class RolloutStreamStatistics:
     pending: int = 0
     last_errors: tuple[str, ...] = ()
     per_env: dict[str, EnvironmentStatistics] = attrs.field(factory=dict)
+    policy_epoch: int = 0
+    weight_updates: int = 0
+    restarted: int = 0
+    stale: int = 0
+    mixed: int = 0
 
     @property
     def attempts(self) -> int:
@@ -110,8 +126,8 @@ class RolloutStreamStatistics:
     @property
     def unaccounted(self) -> int:
         """The ledger's remainder, which is always 0 (every started call is delivered,
-        filtered, retried, skipped, raised, cancelled, still in flight, waiting to
-        retry, or pending)."""
+        filtered, retried, skipped, raised, cancelled, restarted, stale, still in flight,
+        waiting to retry, or pending)."""
         return self.started - (
             self.delivered
             + self.filtered
@@ -119,6 +135,8 @@ class RolloutStreamStatistics:
             + self.skipped
             + self.raised
             + self.cancelled
+            + self.restarted
+            + self.stale
             + self.in_flight
             + self.waiting_to_retry
             + self.pending
@@ -137,7 +155,16 @@ class RolloutStream:
     A stream cannot be created directly; it belongs to its pipeline.
     """
 
-    __slots__ = ("_channel", "_enforce_order", "_next_batch_id", "_pipeline", "_ready", "_waiting")
+    __slots__ = (
+        "_channel",
+        "_ends_by_count",
+        "_enforce_order",
+        "_next_batch_id",
+        "_pipeline",
+        "_ready",
+        "_released_of_next",
+        "_waiting",
+    )
 
     _pipeline: _Pipeline
     _channel: trio.MemoryReceiveChannel[RolloutGroup]
@@ -145,6 +172,8 @@ class RolloutStream:
     _ready: collections.deque[RolloutGroup]
     _waiting: dict[int, list[RolloutGroup]]
     _next_batch_id: int
+    _released_of_next: int
+    _ends_by_count: bool
 
     def __init__(self) -> None:
         msg = "RolloutStream is created by GroupedRolloutGenerator.get_grouped_rollouts()"
@@ -159,6 +188,13 @@ class RolloutStream:
         self._ready = collections.deque()  # groups whose turn has come (enforce_order)
         self._waiting = {}  # batch_id -> groups of batches not yet complete or not yet next
         self._next_batch_id = 0
+        # Groups of batch _next_batch_id already released to _ready when a weight update
+        # took one of its groups back as stale (see _evict_stale).
+        self._released_of_next = 0
+        # A non-streaming stream whose workers outlive its batch (a staleness bound may
+        # send a slot back to them) ends when its groups are taken, not when the channel
+        # closes.
+        self._ends_by_count = not pipeline.close_when_sent and not pipeline.streaming
         return self
 
     def __repr__(self) -> str:
@@ -170,16 +206,56 @@ class RolloutStream:
         """Keep a group until its batch is complete and next in line (enforce_order)."""
         batch = self._waiting.setdefault(group.batch_id, [])
         batch.append(group)
+        self._release()
+
+    def _release(self) -> None:
         size = self._pipeline.num_groups
-        while len(self._waiting.get(self._next_batch_id, ())) == size:
-            complete = self._waiting.pop(self._next_batch_id)
+        while len(self._waiting.get(self._next_batch_id, ())) + self._released_of_next == size:
+            complete = self._waiting.pop(self._next_batch_id, [])
             complete.sort(key=lambda g: g.index_in_batch)
             self._ready.extend(complete)
             self._next_batch_id += 1
+            self._released_of_next = 0
+
+    def _evict_stale(self) -> None:
+        """After the policy epoch moved: send the held groups that are now too old back
+        to be generated again in their slots (groups in the channel are checked when
+        they are pulled). With ``enforce_order``, released groups after the first stale
+        one go back to waiting, so that order stays gap-free."""
+        p = self._pipeline
+        if p.max_staleness is None:
+            return
+        for batch in self._waiting.values():
+            for group in [g for g in batch if p.is_stale(g)]:
+                batch.remove(group)
+                p.regenerate_stale(group)
+        first = next((i for i, g in enumerate(self._ready) if p.is_stale(g)), None)
+        if first is None:
+            return
+        ready = list(self._ready)
+        keep, back = ready[:first], ready[first:]
+        self._ready = collections.deque(keep)
+        batch_id = back[0].batch_id
+        # The batch's groups before the stale one (taken, or still in _ready) stay
+        # released: all of the batch but what goes back.
+        self._released_of_next = p.num_groups - sum(1 for g in back if g.batch_id == batch_id)
+        self._next_batch_id = batch_id
+        for group in back:
+            if p.is_stale(group):
+                p.regenerate_stale(group)
+            else:
+                self._waiting.setdefault(group.batch_id, []).append(group)
 
     def _pull_nowait(self) -> RolloutGroup:
+        p = self._pipeline
+        if self._ends_by_count and not p.closed and p.delivered >= p.num_groups:
+            raise trio.EndOfChannel
         group = self._channel.receive_nowait()
-        self._pipeline.channel_received()
+        p.channel_received()
+        if p.max_staleness is not None and p.is_stale(group):
+            # Too old to hand over: its slot is generated again; look further.
+            p.regenerate_stale(group)
+            return self._pull_nowait()
         return group
 
     async def _pull(self) -> RolloutGroup:
@@ -192,7 +268,16 @@ class RolloutStream:
             pass
         # Waiting means the buffer was empty: the group comes straight from a sender that
         # never blocked, so no blocked sender is woken (no channel_received()).
-        return await self._channel.receive()
+        p = self._pipeline
+        while True:
+            group = await self._channel.receive()
+            if p.max_staleness is None or not p.is_stale(group):
+                return group
+            p.regenerate_stale(group)
+            try:
+                return self._pull_nowait()
+            except trio.WouldBlock:
+                pass
 
     def _discard_untaken(self) -> int:
         """At shutdown, after the workers are gone: drop the finished groups nobody took,
@@ -269,6 +354,62 @@ class RolloutStream:
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
 
+    # ---------------------------------------------------------------- weight updates
+
+    @property
+    def policy_epoch(self) -> int:
+        """The stream's policy epoch: calls that start now start under it, and each group
+        records it as ``start_epoch``. It moves when a :meth:`weight_update` body returns,
+        and stays readable after the stream has closed."""
+        return self._pipeline.epoch
+
+    def weight_update(
+        self,
+        mode: WeightUpdateMode = "drain",
+        *,
+        epoch: int | None = None,
+        backends: Sequence[InferenceInterface] | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[WeightUpdate]:
+        """Pause generation for a weight update, as an async context manager::
+
+            async with stream.weight_update(mode="drain") as update:
+                await push_weights(update.epoch)
+            # calls that start now start under update.epoch
+
+        ``mode`` says what becomes of the calls in flight when the block is entered:
+        ``"drain"`` lets them finish; ``"restart"`` cancels them and generates their
+        slots again after the update (``statistics().restarted``); ``"keep"`` has the
+        backend hold them, and ``"abort"`` has it stop them with their partial output,
+        both continued under the new weights after the block (these two need
+        :class:`~trio_rollouts.inference.Pausable` backends that support them). With
+        ``GroupedRolloutRequest.max_staleness`` set, calls the new epoch makes too old
+        are cancelled too (``stale``).
+
+        ``epoch`` (default ``policy_epoch + 1``) must be greater than
+        :attr:`policy_epoch`. ``backends`` (default: the request's
+        ``inference_interface``) are the interfaces to pause; those that are not
+        Pausable are told nothing. Each Pausable one gets ``pause(mode)`` before the
+        body and ``resume(epoch)`` after it.
+
+        Raises ``ValueError`` for an unknown mode or an epoch not above the current one,
+        ``TypeError`` for a backend that cannot pause for ``mode`` (before anything
+        pauses), ``RuntimeError`` for a second update while one is in progress, and
+        :class:`~trio_rollouts.inference.WeightUpdateError` when a pause fails (every
+        backend paused so far is resumed under the old epoch first).
+
+        While the block runs no ``group_rollout`` call starts, and the body starts only
+        once that holds and every backend has paused; groups already finished can be
+        taken meanwhile. Time a kept or aborted call spends held does not count against
+        ``group_timeout``.
+
+        Cancellation: entering is a checkpoint (it waits for drains, cancelled calls and
+        pauses). If the wait or the body is cancelled, or the body raises, the backends
+        are resumed under the **old** epoch, shielded from cancellation, and the
+        exception propagates; after a normal exit they are resumed (shielded) under the
+        new one. The gate is opened on every route: nothing is left paused.
+        """
+        return open_weight_update(self, self._pipeline, mode, epoch, backends)
+
     # ---------------------------------------------------------------- statistics
 
     def statistics(self) -> RolloutStreamStatistics:
@@ -300,4 +441,9 @@ class RolloutStream:
                 )
                 for env_id, c in p.env_counters.items()
             },
+            policy_epoch=p.epoch,
+            weight_updates=p.weight_updates,
+            restarted=p.restarted,
+            stale=p.stale,
+            mixed=p.mixed,
         )

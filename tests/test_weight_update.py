@@ -1,0 +1,495 @@
+"""stream.weight_update: the four modes, the gate, epochs, the staleness bound, failures.
+
+Every test runs on pytest-trio's ``autojump_clock`` against ``EmbeddedInference`` with a
+constant latency model (a 4-token completion: first token at +1 s, then 1 s per token,
+so an unpaused call takes 5 s), or against scripted backends; every time is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.lowlevel
+import trio.testing
+from _fakes import RawInterface
+
+import trio_rollouts as tr
+from trio_rollouts import ChatMessage
+from trio_rollouts.inference import (
+    EmbeddedInference,
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    LatencyModel,
+    Pausable,
+    WeightUpdateError,
+    WeightUpdateMode,
+)
+
+STEADY = LatencyModel(first_token=1.0, per_token=1.0, distribution="constant")
+CALL_SECONDS = 5.0  # "abcd": first token at +1, then four tokens of 1 s (the last ends it)
+
+
+def fixed(completion: str) -> Any:
+    def policy(prompt: list[ChatMessage]) -> tuple[Sequence[str], list[float]]:
+        return [completion], [1.0]
+
+    return policy
+
+
+def embedded() -> EmbeddedInference:
+    return EmbeddedInference(policy=fixed("abcd"), latency=STEADY)
+
+
+@attrs.define
+class EpochAgent(tr.GroupedRolloutGenerator):
+    """One inference call per rollout; each rollout keeps the call's epoch stamps."""
+
+    calls: int = 0
+    exited: int = 0
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        self.calls += 1
+        iface = request.inference_interface
+        try:
+            out = []
+            for i in range(request.rollouts_per_group):
+                response = await iface.agenerate(iface.prepare_request("q"))
+                out.append(
+                    tr.Rollout(
+                        trajectory=[response.raw_text or ""],
+                        reward=float(i),
+                        policy_epoch=[list(response.policy_epoch)],
+                    )
+                )
+            return out
+        finally:
+            self.exited += 1
+
+
+def grouped(
+    interface: InferenceInterface,
+    *,
+    num_groups: int = 2,
+    rollouts_per_group: int = 1,
+    streaming: bool = True,
+    max_staleness: int | None = None,
+    initial_epoch: int | None = None,
+    enforce_order: bool = False,
+) -> tr.GroupedRolloutRequest:
+    return tr.GroupedRolloutRequest(
+        num_groups=num_groups,
+        rollouts_per_group=rollouts_per_group,
+        inference_interface=interface,
+        streaming=streaming,
+        max_staleness=max_staleness,
+        initial_epoch=initial_epoch,
+        enforce_order=enforce_order,
+    )
+
+
+def ledger_ok(stats: tr.RolloutStreamStatistics) -> None:
+    assert stats.unaccounted == 0, stats
+
+
+# --------------------------------------------------------------------------- checks
+
+
+async def test_bad_arguments_are_refused_before_anything_pauses(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(embedded())) as stream:
+        with pytest.raises(ValueError, match=r"mode must be one of 'drain'.*got 'pause'"):
+            async with stream.weight_update("pause"):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(
+            ValueError, match=r"greater than the stream's policy_epoch \(0\), got 0"
+        ):
+            async with stream.weight_update(epoch=0):
+                pass
+        with pytest.raises(TypeError, match="epoch must be an int"):
+            async with stream.weight_update(epoch=1.0):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(TypeError, match=r"backends\[0\] must be an InferenceInterface"):
+            async with stream.weight_update(backends=["x"]):  # type: ignore[list-item]
+                pass
+        assert stream.policy_epoch == 0
+        assert stream.statistics().weight_updates == 0
+
+
+async def test_keep_needs_a_pausable_backend(autojump_clock: trio.testing.MockClock) -> None:
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(RawInterface())) as stream:
+        with pytest.raises(TypeError, match=r"mode='keep'.*RawInterface is not"):
+            async with stream.weight_update("keep"):
+                pass
+        # drain and restart need nothing of the backend
+        async with stream.weight_update("drain") as update:
+            assert update.epoch == 1
+        assert stream.policy_epoch == 1
+
+
+async def test_a_mode_the_backend_does_not_support_is_a_type_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = tr.OpenAIInference(base_url="http://127.0.0.1:9/v1", model="m")
+    agent = EpochAgent(parallel_generation_tasks=2)
+    request = grouped(RawInterface())
+    async with agent.get_grouped_rollouts(request) as stream:
+        with pytest.raises(TypeError, match=r"OpenAIInference cannot pause.*server='vllm'"):
+            async with stream.weight_update("abort", backends=[iface]):
+                pass
+        assert not stream._pipeline.updating
+
+
+async def test_one_update_at_a_time(autojump_clock: trio.testing.MockClock) -> None:
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(embedded())) as stream:
+        async with stream.weight_update():
+            with pytest.raises(RuntimeError, match="already in progress"):
+                async with stream.weight_update(epoch=5):
+                    pass
+        assert stream.policy_epoch == 1
+
+
+# --------------------------------------------------------------------------- modes
+
+
+async def test_drain_waits_for_calls_in_flight_and_holds_new_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(iface)) as stream:
+        await trio.sleep(2.5)  # both calls are 2.5 s in
+        async with stream.weight_update("drain") as update:
+            assert trio.current_time() == pytest.approx(CALL_SECONDS)
+            assert update.pause_seconds == pytest.approx(2.5)
+            assert update.held == 0
+            assert stream.statistics().in_flight == 0
+            assert stream.policy_epoch == 0  # still the old epoch during the body
+            # finished groups can be taken during the body; no new call starts
+            taken = stream.drain(2)
+            assert [g.start_epoch for g in taken] == [0, 0]
+            await trio.sleep(10)
+            assert stream.statistics().in_flight == 0
+            assert stream.statistics().started == 2
+        assert stream.policy_epoch == 1
+        group = await stream.receive()
+        assert group.start_epoch == 1
+        assert group[0].policy_epoch == [[(0, 1)]]
+        stats = stream.statistics()
+        assert stats.weight_updates == 1
+        assert stats.policy_epoch == 1
+        ledger_ok(stats)
+    assert stream.policy_epoch == 1  # readable after close
+    assert iface.policy_epoch == 1
+
+
+async def test_restart_cancels_calls_and_generates_their_slots_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(iface)) as stream:
+        await trio.sleep(2.5)
+        async with stream.weight_update("restart") as update:
+            assert trio.current_time() == pytest.approx(2.5)  # not waited for
+            assert update.held == 2
+            assert agent.exited == 2
+            stats = stream.statistics()
+            assert (stats.in_flight, stats.restarted) == (0, 2)
+            ledger_ok(stats)
+        groups = [await stream.receive(), await stream.receive()]
+        assert trio.current_time() == pytest.approx(2.5 + CALL_SECONDS)
+        assert sorted((g.batch_id, g.index_in_batch) for g in groups) == [(0, 0), (0, 1)]
+        assert all(g.start_epoch == 1 and g[0].policy_epoch == [[(0, 1)]] for g in groups)
+        ledger_ok(stream.statistics())
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_keep_and_abort_continue_calls_under_the_new_epoch(
+    mode: WeightUpdateMode, autojump_clock: trio.testing.MockClock
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(iface)) as stream:
+        await trio.sleep(2.5)  # token 1 is being generated
+        async with stream.weight_update(mode) as update:
+            assert update.held == 2
+            # the token being generated is finished first (it ends at 3.0)
+            assert update.pause_seconds == pytest.approx(0.5)
+            await trio.sleep(100)  # held: nothing moves
+            assert stream.statistics().in_flight == 2
+            assert stream.statistics().completed == 0
+        groups = [await stream.receive(), await stream.receive()]
+        for group in groups:
+            assert group.start_epoch == 0
+            stamps = group[0].policy_epoch[0]
+            assert stamps[0] == (0, 0)
+            assert stamps[-1][1] == 1  # a boundary, exactly
+        stats = stream.statistics()
+        assert stats.mixed == 0  # EmbeddedInference stamps the boundary
+        ledger_ok(stats)
+
+
+async def test_held_time_does_not_count_against_group_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(
+        parallel_generation_tasks=2, failure_policy=tr.FailurePolicy(group_timeout=6.0)
+    )
+    async with agent.get_grouped_rollouts(grouped(iface)) as stream:
+        await trio.sleep(2.5)
+        async with stream.weight_update("keep"):
+            await trio.sleep(30)
+        groups = [await stream.receive(), await stream.receive()]
+        assert len(groups) == 2
+        stats = stream.statistics()
+        assert stats.timeouts == 0
+        ledger_ok(stats)
+
+
+# --------------------------------------------------------------------------- staleness
+
+
+async def test_a_staleness_bound_cancels_calls_that_would_exceed_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(iface, max_staleness=0)) as stream:
+        await trio.sleep(2.5)
+        async with stream.weight_update("keep") as update:
+            assert update.held == 2  # both cancelled by the bound
+            stats = stream.statistics()
+            assert (stats.stale, stats.in_flight) == (2, 0)
+        groups = [await stream.receive(), await stream.receive()]
+        assert all(g.start_epoch == 1 for g in groups)
+        ledger_ok(stream.statistics())
+
+
+async def test_finished_groups_that_became_too_old_are_generated_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=2, buffer_size=2)
+    request = grouped(iface, max_staleness=1, enforce_order=True)
+    async with agent.get_grouped_rollouts(request) as stream:
+        await trio.sleep(CALL_SECONDS)  # batch 0 is finished and buffered
+        async with stream.weight_update():
+            pass
+        async with stream.weight_update():
+            pass
+        assert stream.policy_epoch == 2
+        groups = [await stream.receive(), await stream.receive()]
+        assert [(g.batch_id, g.index_in_batch) for g in groups] == [(0, 0), (0, 1)]
+        assert all(g.start_epoch == 2 for g in groups)
+        stats = stream.statistics()
+        assert stats.stale == 2
+        ledger_ok(stats)
+
+
+async def test_held_groups_are_taken_back_in_order_when_they_go_stale(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=4, buffer_size=4)
+    request = grouped(iface, num_groups=2, max_staleness=0, enforce_order=True)
+    async with agent.get_grouped_rollouts(request) as stream:
+        await trio.sleep(CALL_SECONDS)  # batches 0 and 1 are finished
+        first = await stream.receive()  # batch 0 released into order; (0, 0) taken
+        assert (first.batch_id, first.index_in_batch) == (0, 0)
+        async with stream.weight_update():
+            pass
+        rest = [await stream.receive() for _ in range(3)]
+        assert [(g.batch_id, g.index_in_batch) for g in rest] == [(0, 1), (1, 0), (1, 1)]
+        assert all(g.start_epoch == 1 for g in rest)
+        ledger_ok(stream.statistics())
+
+
+async def test_non_streaming_with_a_bound_ends_after_its_groups(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    request = grouped(iface, streaming=False, max_staleness=0)
+    async with agent.get_grouped_rollouts(request) as stream:
+        await trio.sleep(CALL_SECONDS)
+        async with stream.weight_update():
+            pass
+        groups = [g async for g in stream]
+        assert len(groups) == 2
+        assert all(g.start_epoch == 1 for g in groups)
+        assert stream.try_next() is None
+        ledger_ok(stream.statistics())
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@attrs.define(eq=False)
+class Backend(InferenceInterface, tr.ReturnsRaw, Pausable):
+    """A Pausable backend whose pause or resume can fail; records what it was told."""
+
+    fail_pause: bool = False
+    fail_resume: bool = False
+    log: list[str] = attrs.Factory(list)
+    epoch: int = 0
+
+    @property
+    def supported_modes(self) -> frozenset[WeightUpdateMode]:
+        return frozenset({"drain", "restart", "keep", "abort"})
+
+    @property
+    def policy_epoch(self) -> int:
+        return self.epoch
+
+    @property
+    def stamps_policy_epoch(self) -> bool:
+        return False
+
+    async def pause(self, mode: WeightUpdateMode) -> None:
+        await trio.lowlevel.checkpoint()
+        self.log.append(f"pause {mode}")
+        if self.fail_pause:
+            msg = "pause endpoint answered 404"
+            raise RuntimeError(msg)
+
+    async def resume(self, epoch: int) -> None:
+        await trio.lowlevel.checkpoint()
+        self.log.append(f"resume {epoch}")
+        self.epoch = epoch
+        if self.fail_resume:
+            msg = "resume endpoint answered 500"
+            raise RuntimeError(msg)
+
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        await trio.sleep(1)
+        return InferenceResponse(
+            response=ChatMessage(role="assistant", content="x"),
+            raw_text="x",
+            policy_epoch=[(0, self.epoch)],
+        )
+
+
+async def test_a_failing_pause_resumes_everything_under_the_old_epoch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    good, bad = Backend(), Backend(fail_pause=True, fail_resume=True)
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(good)) as stream:
+        with pytest.raises(WeightUpdateError, match=r"pausing Backend.*failed") as info:
+            async with stream.weight_update("keep", backends=[good, bad]):
+                pytest.fail("the body must not run")
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert any("resume endpoint answered 500" in n for n in info.value.__notes__)
+        assert good.log == ["pause keep", "resume 0"]
+        assert bad.log == ["pause keep", "resume 0"]
+        assert stream.policy_epoch == 0
+        # nothing left paused: generation goes on
+        assert len(await stream.receive()) == 1
+        async with stream.weight_update("keep", backends=[good]) as update:
+            assert update.epoch == 1
+
+
+@pytest.mark.parametrize("route", ["raise", "cancel"])
+async def test_a_body_that_fails_resumes_under_the_old_epoch(
+    route: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    backend = Backend()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(backend)) as stream:
+        if route == "raise":
+            with pytest.raises(KeyError):
+                async with stream.weight_update("abort"):
+                    raise KeyError("push failed")
+        else:
+            with trio.move_on_after(1):
+                async with stream.weight_update("abort"):
+                    await trio.sleep_forever()
+        assert backend.log == ["pause abort", "resume 0"]
+        assert stream.policy_epoch == 0
+        assert stream.statistics().weight_updates == 0
+        group = await stream.receive()
+        assert group.start_epoch == 0
+        ledger_ok(stream.statistics())
+
+
+async def test_mixed_counts_groups_spanning_an_update_on_a_backend_without_stamps(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = Backend()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(backend)) as stream:
+        await trio.sleep(0.5)
+        async with stream.weight_update("keep"):
+            pass
+        await stream.receive()
+        await stream.receive()
+        stats = stream.statistics()
+        assert stats.mixed == 2
+        ledger_ok(stats)
+
+
+async def test_initial_epoch_is_given_to_the_backend(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = Backend(epoch=3)
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(backend)) as stream:
+        assert stream.policy_epoch == 3  # taken from the Pausable backend
+    async with agent.get_grouped_rollouts(grouped(backend, initial_epoch=7)) as stream:
+        assert stream.policy_epoch == 7
+        assert backend.epoch == 7
+        group = await stream.receive()
+        assert group.start_epoch == 7
+
+
+async def test_leaving_the_stream_during_an_update_resumes_the_backends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = Backend()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with (
+        agent.get_grouped_rollouts(grouped(backend)) as stream,
+        stream.weight_update("keep"),
+    ):
+        pass
+    # the stream is closed; nothing paused
+    assert backend.log == ["pause keep", "resume 1"]
+    with pytest.raises(RuntimeError, match="has exited"):
+        async with stream.weight_update():
+            pass
+
+
+async def test_a_worker_failure_during_the_pause_resumes_under_the_old_epoch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = Backend()
+
+    @attrs.define
+    class Failing(tr.GroupedRolloutGenerator):
+        async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+            await trio.sleep(2)
+            raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        async with Failing(parallel_generation_tasks=1).get_grouped_rollouts(
+            grouped(backend, num_groups=1)
+        ) as stream:
+            await trio.sleep(1)  # the call is in flight
+            async with stream.weight_update("drain"):
+                pytest.fail("drain cannot finish: the calls fail")
+    # The failing call ended the drain, so pause was called, and cancelled at once
+    # by the failure's cancellation; it was resumed under the old epoch all the same.
+    assert backend.log == ["resume 0"]
+    assert stream.policy_epoch == 0
+    assert math.isfinite(trio.current_time())

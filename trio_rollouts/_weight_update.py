@@ -1,0 +1,237 @@
+"""Weight updates of a running grouped pipeline: ``stream.weight_update(mode)``.
+
+An update is an async context manager entered by the consumer (see DESIGN.md, "Weight
+updates and staleness"). Its life:
+
+1. Checks, before anything pauses: the mode, the epoch (greater than the stream's), the
+   backends (a Pausable backend that does not support the mode, or a backend that is not
+   Pausable under ``keep``/``abort``, is a ``TypeError``), one update at a time.
+2. The gate closes: no ``group_rollout`` call starts until the update is over (workers
+   wait in ``_Pipeline.wait_for_update``).
+3. Calls in flight: with a staleness bound, those the new epoch makes too old are
+   cancelled (``stale``); ``restart`` cancels all of them (``restarted``); ``keep`` and
+   ``abort`` stop their deadlines' clocks. ``drain`` and ``restart`` wait until no call is
+   in flight, ``keep``/``abort`` until the cancelled calls have exited.
+4. Each Pausable backend gets ``pause(mode)``; the body starts when all have returned.
+5. At exit, every paused backend gets ``resume(epoch)`` (shielded from cancellation):
+   the new epoch when the body returned, the old one when it raised or was cancelled or
+   a pause failed. The gate opens and the deadlines' clocks go on. Nothing is ever left
+   paused, by any route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from ._checks import is_int
+from .inference import InferenceInterface
+from .inference._pausable import WEIGHT_UPDATE_MODES, Pausable, WeightUpdateError, WeightUpdateMode
+
+if TYPE_CHECKING:
+    from ._pipeline import _Pipeline
+    from ._stream import RolloutStream
+
+__all__ = ["WeightUpdate", "open_weight_update"]
+
+
+@attrs.define(kw_only=True, eq=False)
+class WeightUpdate:
+    """A weight update in progress, as ``stream.weight_update(...)`` yields it.
+
+    - ``epoch``: the policy epoch generation resumes under when the body returns.
+    - ``mode``: ``"drain"``, ``"restart"``, ``"keep"`` or ``"abort"``.
+    - ``held``: calls held by ``keep``, aborted by ``abort``, or cancelled by ``restart``
+      or by the staleness bound when the update began (0 for a plain drain).
+    - ``pause_seconds``: from entering the block until the body started.
+    """
+
+    epoch: int
+    mode: WeightUpdateMode
+    held: int = 0
+    pause_seconds: float = 0.0
+
+
+def checked_mode(mode: object) -> WeightUpdateMode:
+    if not isinstance(mode, str) or mode not in WEIGHT_UPDATE_MODES:
+        allowed = ", ".join(repr(m) for m in ("drain", "restart", "keep", "abort"))
+        msg = f"weight_update mode must be one of {allowed}, got {mode!r}"
+        raise ValueError(msg)
+    return mode
+
+
+def checked_epoch(epoch: object, current: int) -> int:
+    if epoch is None:
+        return current + 1
+    if not is_int(epoch):
+        msg = f"weight_update epoch must be an int or None, got {epoch!r}"
+        raise TypeError(msg)
+    if epoch <= current:  # type: ignore[operator]
+        msg = (
+            f"weight_update epoch must be greater than the stream's policy_epoch "
+            f"({current}), got {epoch!r}"
+        )
+        raise ValueError(msg)
+    return epoch  # type: ignore[return-value]
+
+
+def checked_backends(
+    backends: Sequence[InferenceInterface] | None,
+    default: InferenceInterface,
+    mode: WeightUpdateMode,
+) -> list[Pausable]:
+    """The Pausable backends to pause, each once; ``TypeError`` for a backend that cannot
+    pause for ``mode``."""
+    if backends is None:
+        given: list[object] = [default]
+    elif isinstance(backends, (str, bytes)) or not isinstance(backends, Sequence):
+        msg = f"backends must be a list of inference interfaces or None, got {backends!r:.80}"
+        raise TypeError(msg)
+    else:
+        given = list(backends)
+    pausable: list[Pausable] = []
+    for i, backend in enumerate(given):
+        if not isinstance(backend, InferenceInterface):
+            msg = f"backends[{i}] must be an InferenceInterface, got {type(backend).__name__}"
+            raise TypeError(msg)
+        if not isinstance(backend, Pausable):
+            if mode in ("keep", "abort"):
+                msg = (
+                    f"weight_update(mode={mode!r}) needs backends that can pause (inference."
+                    f"Pausable); {type(backend).__name__} is not: use mode='drain' or "
+                    "'restart', or a Pausable backend (EmbeddedInference, or "
+                    "OpenAIInference(server='vllm' | 'sglang'))"
+                )
+                raise TypeError(msg)
+            continue
+        if mode not in backend.supported_modes:
+            supported = ", ".join(repr(m) for m in sorted(backend.supported_modes))
+            hint = (
+                " (OpenAIInference supports keep and abort with server='vllm' or 'sglang')"
+                if mode in ("keep", "abort") and type(backend).__name__ == "OpenAIInference"
+                else ""
+            )
+            msg = (
+                f"{type(backend).__name__} cannot pause for weight_update(mode={mode!r}); "
+                f"it supports {supported}{hint}"
+            )
+            raise TypeError(msg)
+        if all(backend is not seen for seen in pausable):
+            pausable.append(backend)
+    return pausable
+
+
+async def _resume_all(backends: Sequence[Pausable], epoch: int) -> list[BaseException]:
+    """Resume every backend under ``epoch``, shielded; return the failures."""
+    failures: list[BaseException] = []
+    with trio.CancelScope(shield=True):
+        for backend in backends:
+            try:
+                await backend.resume(epoch)
+            except Exception as exc:
+                exc.add_note(f"while resuming {type(backend).__name__} under epoch {epoch}")
+                failures.append(exc)
+    return failures
+
+
+@contextlib.asynccontextmanager
+async def open_weight_update(
+    stream: RolloutStream,
+    pipeline: _Pipeline,
+    mode: object,
+    epoch: object,
+    backends: Sequence[InferenceInterface] | None,
+) -> AsyncIterator[WeightUpdate]:
+    """What ``RolloutStream.weight_update`` returns; see the module docstring."""
+    p = pipeline
+    if p.closed:
+        msg = "weight_update() on a stream whose async with has exited"
+        raise RuntimeError(msg)
+    checked = checked_mode(mode)
+    new_epoch = checked_epoch(epoch, p.epoch)
+    pausable = checked_backends(backends, p.request.inference_interface, checked)
+    if p.update_in_progress:
+        msg = "a weight update is already in progress on this stream (one at a time)"
+        raise RuntimeError(msg)
+    old_epoch = p.epoch
+    update = WeightUpdate(epoch=new_epoch, mode=checked)
+    entered = trio.current_time()
+    p.update_in_progress = True
+    p.updating = True
+    p.watching = True
+    paused: list[Pausable] = []
+    try:
+        # Before the body: settle the calls in flight, then pause the backends.
+        bound = p.max_staleness
+        if checked == "restart":
+            update.held = p.drop_calls("restart", None)
+        elif bound is not None:
+            update.held = p.drop_calls("stale", new_epoch - bound)
+        if checked in ("keep", "abort"):
+            update.held += sum(1 for n in p.calls_in_flight() if p.drop_reason[n] is None)
+            p.freeze_deadlines()
+            while p.dropping():
+                await p.update_progress.park()
+        else:
+            while p.in_flight:
+                await p.update_progress.park()
+        for backend in pausable:
+            paused.append(backend)
+            try:
+                await backend.pause(checked)
+            except Exception as exc:
+                failures = await _resume_all(paused, old_epoch)
+                error = WeightUpdateError(
+                    f"pausing {type(backend).__name__} for weight_update(mode={checked!r}, "
+                    f"epoch={new_epoch}) failed: {type(exc).__name__}: {exc}; every backend "
+                    f"paused so far was resumed under epoch {old_epoch}"
+                )
+                for failure in failures:
+                    error.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
+                paused.clear()
+                raise error from exc
+        update.pause_seconds = trio.current_time() - entered
+    except BaseException as exc:
+        # A pause failed, or the update was cancelled before its body (or the pipeline
+        # failed): resume what was paused under the old epoch.
+        for failure in await _resume_all(paused, old_epoch):
+            exc.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
+        _reopen(p)
+        raise
+    try:
+        yield update
+    except BaseException as exc:
+        # The body raised or was cancelled: generation goes on under the old epoch.
+        for failure in await _resume_all(paused, old_epoch):
+            exc.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
+        _reopen(p)
+        raise
+    if checked in ("keep", "abort") and not all(b.stamps_policy_epoch for b in pausable):
+        p.unstamped_epochs.append(new_epoch)
+    p.epoch = new_epoch
+    p.weight_updates += 1
+    stream._evict_stale()
+    failures = await _resume_all(paused, new_epoch)
+    _reopen(p)
+    if failures:
+        error = WeightUpdateError(
+            f"the weight update to epoch {new_epoch} finished, but resuming "
+            f"{len(failures)} backend(s) failed: {type(failures[0]).__name__}: {failures[0]}"
+        )
+        for failure in failures[1:]:
+            error.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
+        raise error from failures[0]
+
+
+def _reopen(p: _Pipeline) -> None:
+    """Open the gate and restart the deadlines' clocks (synchronous: cannot be
+    interrupted)."""
+    p.thaw_deadlines()
+    p.updating = False
+    p.watching = p.dropping()
+    p.update_in_progress = False
+    p.update_gate.unpark_all()
