@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
 from _openai_server import FakeOpenAIServer, Reply, serving, serving_in_thread
 
-from trio_rollouts import GenerationArgs
+from trio_rollouts import GenerationArgs, GroupedRolloutGenerator, GroupedRolloutRequest, Rollout
 from trio_rollouts.inference import (
     BadRequestError,
     InferenceError,
@@ -522,3 +523,55 @@ async def test_aclose_during_a_pause_leaves_held_calls_working(vllm: FakeOpenAIS
             await interface.aclose()
             await interface.resume(1)
     assert call.result is not None
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+@attrs.define
+class OneCallAgent(GroupedRolloutGenerator):
+    """A group of one rollout per call, keeping the call's finish reason and stamps."""
+
+    async def group_rollout(self, request: GroupedRolloutRequest) -> list[Rollout]:
+        iface = request.inference_interface
+        response = await iface.agenerate(iface.prepare_request("hello"))
+        return [
+            Rollout(
+                trajectory=[response.raw_text or ""],
+                reward=1.0,
+                policy_epoch=[list(response.policy_epoch)],
+                extra={"finish_reason": response.finish_reason},
+            )
+        ]
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_a_stream_update_pauses_the_vllm_server_and_continues_its_calls(
+    vllm: FakeOpenAIServer, mode: str
+) -> None:
+    interface = make(vllm.base_url, server="vllm")
+    agent = OneCallAgent(parallel_generation_tasks=2)
+    request = GroupedRolloutRequest(
+        num_groups=2, rollouts_per_group=1, inference_interface=interface, streaming=True
+    )
+    with trio.fail_after(PROMPT):
+        async with agent.get_grouped_rollouts(request) as stream:
+            await vllm.wait_running(2)
+            async with stream.weight_update(mode) as update:  # type: ignore[arg-type]
+                assert update.held == 2
+                assert vllm.paused == mode
+                vllm.gate.set()  # type: ignore[union-attr]
+                await trio.testing.wait_all_tasks_blocked()
+                assert stream.statistics().completed == 0  # the server holds them
+            groups = [await stream.receive(), await stream.receive()]
+            stats = stream.statistics()
+    assert [g.start_epoch for g in groups] == [0, 0]
+    assert all(g[0].extra["finish_reason"] == "stop" for g in groups)
+    # one call each, its text whole (raw_text is the prompt and the completion)
+    assert all(g[0].trajectory[0].endswith("<|assistant|>\na: hello") for g in groups)
+    # vLLM does not say at which token the weights changed: counted, never guessed.
+    assert stats.mixed == 2
+    assert all(g[0].policy_epoch == [[(0, 0)]] for g in groups)
+    assert stats.unaccounted == 0
+    assert vllm.control_received[:2] == [(f"/pause?mode={mode}", None), ("/resume", None)]
+    assert interface.policy_epoch == 1

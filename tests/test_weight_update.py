@@ -493,3 +493,145 @@ async def test_a_worker_failure_during_the_pause_resumes_under_the_old_epoch(
     assert backend.log == ["resume 0"]
     assert stream.policy_epoch == 0
     assert math.isfinite(trio.current_time())
+
+
+# --------------------------------------------------------------------------- paths
+
+
+@attrs.define
+class HangingAgent(tr.GroupedRolloutGenerator):
+    """Its first call hangs until cancelled; later calls take 1 s. Rewards differ, so
+    filtering keeps every group."""
+
+    calls: int = 0
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        self.calls += 1
+        if self.calls == 1:
+            await trio.sleep_forever()
+        await trio.sleep(1)
+        return [tr.Rollout(trajectory=["x"], reward=float(i)) for i in range(2)]
+
+
+@pytest.mark.parametrize("filtering", [False, True], ids=["fast-path", "slow-path"])
+async def test_a_hanging_call_times_out_later_by_the_time_it_was_held(
+    filtering: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    agent = HangingAgent(
+        parallel_generation_tasks=1,
+        failure_policy=tr.FailurePolicy(group_timeout=10.0, on_failure="skip"),
+    )
+    request = tr.GroupedRolloutRequest(
+        num_groups=1,
+        rollouts_per_group=2,
+        inference_interface=RawInterface(),
+        filter_groups_with_same_reward=filtering,
+    )
+    backend = Backend()
+    async with agent.get_grouped_rollouts(request) as stream:
+        await trio.sleep(4)
+        async with stream.weight_update("keep", backends=[backend]):
+            await trio.sleep(100)  # held: its clock stands still
+        await trio.sleep(5.5)  # 9.5 s of its 10 s have run
+        assert stream.statistics().timeouts == 0
+        await trio.sleep(1)
+        assert stream.statistics().timeouts == 1
+        assert trio.current_time() == pytest.approx(110.5)
+        stats = stream.statistics()
+        assert stats.failed == 1
+        ledger_ok(stats)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [tr.FailurePolicy(), tr.FailurePolicy(group_timeout=30.0, max_attempts=3)],
+    ids=["trivial", "retrying"],
+)
+@pytest.mark.parametrize("filtering", [False, True], ids=["fast-path", "slow-path"])
+async def test_restart_regenerates_on_every_path(
+    policy: tr.FailurePolicy, filtering: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    agent = HangingAgent(parallel_generation_tasks=1, failure_policy=policy)
+    request = tr.GroupedRolloutRequest(
+        num_groups=1,
+        rollouts_per_group=2,
+        inference_interface=RawInterface(),
+        filter_groups_with_same_reward=filtering,
+    )
+    async with agent.get_grouped_rollouts(request) as stream:
+        await trio.sleep(2)
+        async with stream.weight_update("restart") as update:
+            assert update.held == 1
+        group = await stream.receive()
+        assert trio.current_time() == pytest.approx(3.0)
+        assert (group.batch_id, group.index_in_batch, group.start_epoch) == (0, 0, 1)
+        stats = stream.statistics()
+        assert (stats.restarted, stats.started, stats.failed) == (1, 2, 0)
+        ledger_ok(stats)
+
+
+async def test_restart_in_a_multitask_pipeline(autojump_clock: trio.testing.MockClock) -> None:
+    tasks = [
+        tr.WeightedTask(agent=EpochAgent(), weight=1.0, env_id="a"),
+        tr.WeightedTask(agent=EpochAgent(), weight=1.0, env_id="b"),
+    ]
+    agent = tr.WeightedMultiTask(tasks=tasks, parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(embedded())) as stream:
+        await trio.sleep(2.5)
+        async with stream.weight_update("restart") as update:
+            assert update.held == 2
+        groups = [await stream.receive(), await stream.receive()]
+        assert all(g.start_epoch == 1 for g in groups)
+        stats = stream.statistics()
+        assert stats.restarted == 2
+        assert sum(env.started for env in stats.per_env.values()) == 4
+        ledger_ok(stats)
+
+
+async def test_an_update_cancelled_before_its_body_opens_the_gate(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    iface = embedded()
+    agent = EpochAgent(parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(grouped(iface)) as stream:
+        await trio.sleep(1)
+        with trio.move_on_after(1):  # the drain needs 4 s more
+            async with stream.weight_update("drain"):
+                pytest.fail("the body must not run")
+        assert stream.policy_epoch == 0
+        assert not stream._pipeline.updating
+        groups = [await stream.receive() for _ in range(4)]
+        assert [g.start_epoch for g in groups] == [0, 0, 0, 0]
+        ledger_ok(stream.statistics())
+
+
+async def test_a_bound_and_keep_cancelled_while_dropped_calls_exit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    @attrs.define
+    class SlowToDie(tr.GroupedRolloutGenerator):
+        """Its calls take 3 s, and 2 s to clean up when cancelled (shielded)."""
+
+        async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+            try:
+                await trio.sleep(3)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(2)
+            return [tr.Rollout(trajectory=["x"], reward=1.0)]
+
+    agent = SlowToDie(parallel_generation_tasks=1)
+    backend = Backend()
+    request = grouped(backend, num_groups=1, max_staleness=0)
+    async with agent.get_grouped_rollouts(request) as stream:
+        await trio.sleep(1)
+        with trio.move_on_after(1):  # the dropped call needs 2 s to exit
+            async with stream.weight_update("keep"):
+                pytest.fail("the body must not run")
+        assert backend.log == []
+        assert stream.statistics().stale == 0  # not exited yet
+        group = await stream.receive()  # generated again, in its slot
+        assert group.start_epoch == 0
+        stats = stream.statistics()
+        assert stats.stale == 1
+        ledger_ok(stats)
