@@ -1,7 +1,7 @@
 """Automation: tests, lint, typecheck, docs, demo and benchmarks. Run ``nox -l`` to list.
 
-Opt-in sessions (not run by a bare ``nox``): ``bench``, ``bench-http``, ``ray``, ``soak``
-and ``real-server``.
+Opt-in sessions (not run by a bare ``nox``): ``bench``, ``bench-http``,
+``bench-weight-update``, ``ray``, ``soak`` and ``real-server``.
 """
 
 from __future__ import annotations
@@ -87,3 +87,11 @@ def bench_http(session: nox.Session) -> None:
     (benchmarks/http_client.py; needs ../shared/bench/http)."""
     session.install("-e", ".", "openai==3.57.0", "aiohttp==3.14.5", "uvloop==0.23.0")
     session.run("python", "benchmarks/http_client.py", *session.posargs)
+
+
+@nox.session(name="bench-weight-update", default=False)
+def bench_weight_update(session: nox.Session) -> None:
+    """The four weight-update modes side by side on the embedded backend, in simulated
+    time (benchmarks/weight_update.py; about a minute on 2 cores)."""
+    session.install("-e", ".")
+    session.run("python", "benchmarks/weight_update.py", *session.posargs)
