@@ -41,6 +41,7 @@ from ._models import TokenRollout as TokenRollout
 from ._multitask import MultiTaskEvaluationResponse as MultiTaskEvaluationResponse
 from ._multitask import WeightedMultiTask as WeightedMultiTask
 from ._multitask import WeightedTask as WeightedTask
+from ._prompts import PromptSource as PromptSource
 from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
 from ._stream import EnvironmentStatistics as EnvironmentStatistics
 from ._stream import RolloutStream as RolloutStream

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -31,6 +31,9 @@ from ._models import (
 from ._pipeline import check_grouped_request, open_grouped_rollouts
 from ._stream import RolloutStream
 from .inference import ReturnsRaw
+
+if TYPE_CHECKING:
+    from ._prompts import PromptSource
 
 __all__ = [
     "Agent",
@@ -128,6 +131,18 @@ class GroupedRolloutGenerator(Agent):
     max_consecutive_filtered: int = attrs.field(default=10_000, validator=_int_at_least(1))
     #: Deadlines, retries and skip-or-raise for failing groups (by default, raise at once).
     failure_policy: FailurePolicy = attrs.field(factory=FailurePolicy)
+    #: Where groups' problems come from, when the agent draws them from a checkpointable
+    #: :class:`~trio_rollouts.PromptSource` (``self.prompts.draw()`` once per
+    #: ``group_rollout`` call); the pipeline then keeps the source's books.
+    prompts: PromptSource | None = attrs.field(default=None)
+
+    @prompts.validator
+    def _check_prompts(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        from ._prompts import PromptSource
+
+        if value is not None and not isinstance(value, PromptSource):
+            msg = f"prompts must be a PromptSource or None, got {type(value).__name__}"
+            raise TypeError(msg)
 
     @failure_policy.validator
     def _check_failure_policy(self, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -156,6 +171,10 @@ class GroupedRolloutGenerator(Agent):
         """
         group_rollout = self.group_rollout
         return lambda batch_id, index_in_batch: group_rollout(request)
+
+    def _draws_prompts(self) -> bool:
+        """Whether the pipeline must record the prompt draws of this agent's calls."""
+        return self.prompts is not None
 
     def _slot_environment(self, request: GroupedRolloutRequest) -> Callable[[int, int], str] | None:
         """The environment (``env_id``) each slot belongs to, for per-environment

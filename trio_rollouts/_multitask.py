@@ -451,6 +451,14 @@ class WeightedMultiTask(GroupedRolloutGenerator, EvaluationAgent):
 
         return generate
 
+    def _draws_prompts(self) -> bool:
+        """Whether this agent or any sub-agent with rollout work draws from a prompt
+        source (each call's draws are then recorded; a call of a sub-agent with
+        ``prompts`` must draw exactly one)."""
+        return self.prompts is not None or any(
+            agent._draws_prompts() for agent, _ in self._routes()
+        )
+
     def _slot_environment(self, request: GroupedRolloutRequest) -> Callable[[int, int], str]:
         """The ``env_id`` of slot ``(batch_id, index)``, for per-environment statistics."""
         last = self._last_schedule

@@ -61,6 +61,7 @@ import stamina
 import trio
 
 from ._concurrency import describe_error, flatten_exception_groups, real_leaves
+from ._draws import Draw, current_draws, finish, give_back
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._stream import RolloutStream
@@ -176,6 +177,7 @@ class _Pipeline:
     __slots__ = (
         "agent",
         "blocked_senders",
+        "call_draws",
         "call_epoch",
         "call_started",
         "cancelled",
@@ -186,6 +188,7 @@ class _Pipeline:
         "consecutive_filtered",
         "deadlines",
         "delivered",
+        "done_on_take",
         "drop_reason",
         "env_counters",
         "env_of_slot",
@@ -197,6 +200,7 @@ class _Pipeline:
         "free_slots",
         "frozen_at",
         "generate",
+        "group_draws",
         "group_timeout",
         "groups_left_to_send",
         "idle_workers",
@@ -213,6 +217,7 @@ class _Pipeline:
         "park_when_idle",
         "policy",
         "policy_is_trivial",
+        "prompts",
         "raised",
         "receive_channel",
         "request",
@@ -230,6 +235,7 @@ class _Pipeline:
         "timed",
         "timeouts",
         "timers",
+        "tracking",
         "unstamped_epochs",
         "untaken",
         "update_gate",
@@ -269,8 +275,16 @@ class _Pipeline:
         self.consecutive_filtered = 0
         self.policy = agent.failure_policy
         self.policy_is_trivial = self.policy.is_trivial
+        # Prompt sources (see _prompts.py): each call's draws are recorded, and settled
+        # as done (taken, filtered) or given back (anything else). group_draws holds
+        # the draws of accepted groups not taken yet, by slot; with done_on_take false
+        # (the sync bridge) the consumer settles them when it hands a group over.
+        self.prompts = agent.prompts
+        self.tracking = agent._draws_prompts()
+        self.group_draws: dict[tuple[int, int], list[Draw]] = {}
+        self.done_on_take = True
         # The fast path: the first attempt inlined in the worker (see work).
-        self.fast = not self.filtering and self.env_of_slot is None
+        self.fast = not self.filtering and self.env_of_slot is None and not self.tracking
         self.group_timeout = self.policy.group_timeout
         self.may_retry = self.policy.max_attempts > 1
         self.skipping = self.policy.on_failure == "skip"
@@ -299,6 +313,7 @@ class _Pipeline:
         self.call_epoch: list[int | None] = [None] * workers
         self.drop_reason: list[str | None] = [None] * workers
         self.result_epoch: list[int] = [0] * workers
+        self.call_draws: list[list[Draw]] = [[] for _ in range(workers)]
         # The epochs of keep/abort updates with a backend that does not stamp where the
         # epoch changed: a call that went on through one is counted in ``mixed``.
         self.unstamped_epochs: list[int] = []
@@ -373,6 +388,8 @@ class _Pipeline:
         """Called by the stream for every group it hands to the consumer (invariant 2)."""
         self.delivered += 1
         self.untaken -= 1
+        if self.tracking and self.done_on_take:
+            finish(self.group_draws.pop((group.batch_id, group.index_in_batch), []))
         if self.env_of_slot is not None:
             self.env_counters_of(group.batch_id, group.index_in_batch).delivered += 1
         if self.num_groups > 1:
@@ -470,6 +487,8 @@ class _Pipeline:
         again, before any other free slot."""
         self.untaken -= 1
         self.stale += 1
+        if self.tracking:
+            give_back(self.group_draws.pop((group.batch_id, group.index_in_batch), []))
         self.free_slots.appendleft((group.batch_id, group.index_in_batch))
         self.wake_workers()
 
@@ -715,10 +734,17 @@ class _Pipeline:
                 # A loop of instantly failing calls must stay cancellable.
                 await trio.lowlevel.checkpoint()
                 continue
-            group = self.checked_group(result, batch_id, index, env, self.result_epoch[number])
+            draws = self.call_draws[number] if self.tracking else None
+            group = self.checked_group(
+                result, batch_id, index, env, self.result_epoch[number], draws
+            )
             if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
                 self.consecutive_filtered = 0
+                if draws:
+                    self.group_draws[(batch_id, index)] = draws
                 return group
+            if draws:
+                finish(draws)  # filtered: done for this epoch, not trained
             self.filtered += 1
             if env is not None:
                 env.filtered += 1
@@ -736,6 +762,26 @@ class _Pipeline:
             await trio.lowlevel.checkpoint()
 
     async def attempt(
+        self, batch_id: int, index: int, env: EnvironmentCounters | None, number: int
+    ) -> object:
+        """``untracked_attempt``, recording the call's prompt draws (in
+        ``call_draws[number]``) when the agent draws prompts: they are given back unless
+        the call returned."""
+        if not self.tracking:
+            return await self.untracked_attempt(batch_id, index, env, number)
+        draws: list[Draw] = []
+        token = current_draws.set(draws)
+        try:
+            result = await self.untracked_attempt(batch_id, index, env, number)
+        except BaseException:
+            give_back(draws)
+            raise
+        finally:
+            current_draws.reset(token)
+        self.call_draws[number] = draws
+        return result
+
+    async def untracked_attempt(
         self, batch_id: int, index: int, env: EnvironmentCounters | None, number: int
     ) -> object:
         """One ``group_rollout`` call by worker ``number``, under the group deadline if
@@ -875,14 +921,51 @@ class _Pipeline:
         index: int,
         env: EnvironmentCounters | None,
         start_epoch: int,
+        draws: list[Draw] | None = None,
     ) -> RolloutGroup:
-        """make_group, booking a broken group contract as a failed call."""
+        """make_group (and check the call's prompt draws), booking a broken contract as
+        a failed call."""
         try:
-            return self.make_group(result, batch_id, index, start_epoch)
+            group = self.make_group(result, batch_id, index, start_epoch)
+            if draws is not None:
+                self.check_draws(group, draws, batch_id, index)
+            return group
         except Exception as exc:
+            if draws:
+                give_back(draws)
             self.count_failure(exc, env)
             self.raised += 1  # a broken contract is never retried or skipped
             raise
+
+    def check_draws(
+        self, group: RolloutGroup, draws: list[Draw], batch_id: int, index: int
+    ) -> None:
+        """A call draws one prompt (from an agent's ``prompts``), and its rollouts are
+        about that problem."""
+        if len(draws) > 1:
+            ids = ", ".join(repr(problem_id) for _, _, problem_id in draws)
+            msg = (
+                f"{self.where(batch_id, index)} drew {len(draws)} prompts ({ids}); a call "
+                "must draw exactly one (self.prompts.draw() once per group)"
+            )
+            raise ValueError(msg)
+        if not draws:
+            if self.prompts is not None:
+                msg = (
+                    f"{self.where(batch_id, index)} drew no prompt from its prompts "
+                    "source; a call must draw exactly one (self.prompts.draw() once per "
+                    "group)"
+                )
+                raise ValueError(msg)
+            return
+        problem_id = draws[0][2]
+        for i, rollout in enumerate(group):
+            if rollout.problem_id is not None and rollout.problem_id != problem_id:
+                msg = (
+                    f"{self.where(batch_id, index)} drew problem {problem_id!r}, but its "
+                    f"rollout {i} has problem_id={rollout.problem_id!r}"
+                )
+                raise ValueError(msg)
 
     def count_failure(self, exc: BaseException, env: EnvironmentCounters | None) -> None:
         self.failed += 1
@@ -987,6 +1070,10 @@ async def open_grouped_rollouts(
                     nursery.cancel_scope.cancel()
         finally:
             pipeline.closed = True
+            # Prompts of finished groups nobody took are drawn again.
+            for draws in pipeline.group_draws.values():
+                give_back(draws)
+            pipeline.group_draws.clear()
             # The ledger: finished groups nobody took end as cancelled at shutdown.
             discarded = stream._discard_untaken()
             pipeline.untaken -= discarded

@@ -199,8 +199,11 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
     """A grouped agent whose groups are sampled completions of one problem, each scored
     by a reward function (Megatron's ``reward_only_agent``).
 
-    Subclasses implement :meth:`get_prompt` (which problem a group is about) and
-    :meth:`get_reward` (how one completion scores). :meth:`group_rollout` then asks the
+    Subclasses implement :meth:`get_reward` (how one completion scores) and say which
+    problem a group is about: with ``prompts=PromptSource(...)`` the default
+    :meth:`get_prompt` draws one per group (and the pipeline keeps the source's books
+    for checkpoints), or they override :meth:`get_prompt` (with neither, construction is
+    a ``TypeError``). :meth:`group_rollout` then asks the
     request's inference interface for ``rollouts_per_group`` completions of the problem
     with ``request.generation_args``, all at once, scores each as it arrives and returns
     them in request order (see :func:`build_rollouts` for their type). The interface
@@ -210,13 +213,25 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
     #: The environment's name, stamped on every rollout.
     env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 
-    @abc.abstractmethod
+    def __attrs_post_init__(self) -> None:
+        if self.prompts is None and type(self).get_prompt is RewardOnlyAgent.get_prompt:
+            msg = (
+                f"{type(self).__name__} needs prompts: pass prompts=PromptSource(...) or "
+                "override get_prompt()"
+            )
+            raise TypeError(msg)
+
     async def get_prompt(self, request: GroupedRolloutRequest) -> Problem:
         """The problem the next group is about (``request.validation`` may select a
-        split).
+        split). The default draws one from ``self.prompts``.
 
-        Cancellation: implementations must let ``trio.Cancelled`` propagate.
+        Cancellation: implementations must let ``trio.Cancelled`` propagate (the
+        default is not a checkpoint).
         """
+        if self.prompts is None:  # pragma: no cover - refused at construction
+            msg = f"{type(self).__name__} has no prompts and does not override get_prompt()"
+            raise TypeError(msg)
+        return self.prompts.draw()
 
     @abc.abstractmethod
     async def get_reward(self, problem: Problem, response: InferenceResponse) -> float:

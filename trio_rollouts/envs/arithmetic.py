@@ -137,10 +137,14 @@ class ArithmeticEnvironment(RewardOnlyAgent):
         self._order = [int(i) for i in order]
 
     async def get_prompt(self, request: GroupedRolloutRequest) -> Problem:
-        """The next problem in turn (problem 0, 1, 2, ..., then again from 0).
+        """The next problem in turn (problem 0, 1, 2, ..., then again from 0), or, when
+        the environment has ``prompts`` (a :class:`~trio_rollouts.PromptSource`, say over
+        its own ``problems``), the source's next draw.
 
         Cancellation: not a checkpoint; nothing to cancel.
         """
+        if self.prompts is not None:
+            return self.prompts.draw()
         problem = self.problems[self._next_problem % self.num_problems]
         self._next_problem += 1
         return problem
