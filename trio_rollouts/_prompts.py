@@ -123,6 +123,13 @@ class PromptSource:
         with self._lock:
             return self._epoch
 
+    def next_starts_an_epoch(self) -> bool:
+        """Whether the next :meth:`draw` starts a new epoch: no draw waits to be drawn
+        again and this epoch's permutation has run out (a source used for one pass stops
+        drawing here)."""
+        with self._lock:
+            return not self._again and self._position == len(self._order)
+
     def pending(self) -> list[tuple[int, str]]:
         """The ``(epoch, problem_id)`` draws not done yet: those to be drawn again first,
         then those out, oldest first."""

@@ -32,6 +32,7 @@ from stamina.instrumentation import RetryDetails
 from .._evaluation import Problem
 from .._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from .._prompt_file import scan_output, truncate_torn_line, write_groups
+from .._prompts import PromptSource
 from .._reward_only import REWARD_FUNCTIONS, RewardOnlyAgent
 from ..inference import InferenceResponse
 from ._common import (
@@ -64,22 +65,23 @@ IDENTICAL_WARNING_AFTER = 16
 
 @attrs.define(kw_only=True)
 class _PromptListAgent(RewardOnlyAgent):
-    """One group per problem of a list, in list order, scored by a named reward
-    function. A call after the last problem waits until the pipeline is shut down. Each
-    rollout keeps the server's completion text, finish reason, usage and (text rollouts)
-    logprobs in its ``extra``."""
+    """One group per problem of its ``prompts`` (a one-pass, unshuffled
+    :class:`PromptSource`: a failed call's problem is drawn again before the next),
+    scored by a named reward function. A call after the last problem waits until the
+    pipeline is shut down. Each rollout keeps the server's completion text, finish
+    reason, usage and (text rollouts) logprobs in its ``extra``."""
 
-    problems: list[Problem]
     reward_fn: Callable[[Problem, str], float]
-    _next: int = attrs.field(default=0, init=False)
 
     async def get_prompt(self, request: GroupedRolloutRequest) -> Problem:
         """The next problem; after the last, wait (until cancelled)."""
-        if self._next >= len(self.problems):
+        source = self.prompts
+        if source is None:  # pragma: no cover - generate() always sets it
+            msg = "_PromptListAgent needs prompts"
+            raise TypeError(msg)
+        if source.next_starts_an_epoch():
             await trio.sleep_forever()
-        problem = self.problems[self._next]
-        self._next += 1
-        return problem
+        return source.draw()
 
     async def get_reward(self, problem: Problem, response: InferenceResponse) -> float:
         """The reward function of the completion's text. Not a checkpoint."""
@@ -139,6 +141,7 @@ def _identical_warning(tally: _GenerateTally) -> str:
 
 async def _generate_main(
     agent: _PromptListAgent,
+    problems: list[Problem],
     request: GroupedRolloutRequest,
     out: IO[str],
     filter_same_reward: bool,
@@ -147,7 +150,7 @@ async def _generate_main(
     task: TaskID,
 ) -> None:
     async with agent.get_grouped_rollouts(request) as stream:
-        for _ in range(len(agent.problems)):
+        for _ in range(len(problems)):
             group = await stream.receive()
             _count_identical(group, tally, progress)
             rewards = group.rewards()
@@ -325,7 +328,7 @@ def generate(
             write_job(out, "generate", job)
         if problems:
             agent = _PromptListAgent(
-                problems=problems,
+                prompts=PromptSource(problems, shuffle=False),
                 reward_fn=REWARD_FUNCTIONS[reward],
                 env_id=env,
                 parallel_generation_tasks=min(concurrency, len(problems)),
@@ -358,6 +361,7 @@ def generate(
                     run(
                         _generate_main,
                         agent,
+                        problems,
                         request,
                         file,
                         filter_same_reward,
