@@ -482,6 +482,13 @@ class _Pipeline:
         bound = self.max_staleness
         return bound is not None and self.epoch - group.start_epoch > bound
 
+    def settle_handed(self, group: RolloutGroup) -> None:
+        """A consumer that settles draws itself (``done_on_take`` false: the sync
+        bridge) handed ``group`` over: its prompt draws are done. Thread-safe: one
+        atomic pop."""
+        if self.tracking:
+            finish(self.group_draws.pop((group.batch_id, group.index_in_batch), []))
+
     def regenerate_stale(self, group: RolloutGroup) -> None:
         """A finished group that is too old to hand over: drop it and generate its slot
         again, before any other free slot."""
@@ -529,14 +536,13 @@ class _Pipeline:
                     await trio.lowlevel.checkpoint_if_cancelled()
                     group = await self.accepted_group(batch_id, index, number)
                 else:
-                    try:
-                        # The pipeline may be shutting down: then the call ended in the
-                        # shutdown (as a call under a cancel scope of its own would), not
-                        # in a failure to retry, skip or raise.
-                        await trio.lowlevel.checkpoint_if_cancelled()
-                    except trio.Cancelled:
-                        self.cancelled += 1
-                        raise
+                    # The pipeline may be shutting down: then the call ended in the
+                    # shutdown (as a call under a cancel scope of its own would), not in
+                    # a failure to retry, skip or raise. It is booked as cancelled while
+                    # the checkpoint may yield, so that the ledger adds up meanwhile.
+                    self.cancelled += 1
+                    await trio.lowlevel.checkpoint_if_cancelled()
+                    self.cancelled -= 1
                     self.call_raised(late, None)
                     group = await self.after_failure(batch_id, index, late, number)
             else:
@@ -1071,7 +1077,7 @@ async def open_grouped_rollouts(
         finally:
             pipeline.closed = True
             # Prompts of finished groups nobody took are drawn again.
-            for draws in pipeline.group_draws.values():
+            for draws in list(pipeline.group_draws.values()):
                 give_back(draws)
             pipeline.group_draws.clear()
             # The ledger: finished groups nobody took end as cancelled at shutdown.

@@ -238,7 +238,10 @@ class RolloutStream:
         batch_id = back[0].batch_id
         # The batch's groups before the stale one (taken, or still in _ready) stay
         # released: all of the batch but what goes back.
-        self._released_of_next = p.num_groups - sum(1 for g in back if g.batch_id == batch_id)
+        # (A batch already partly sent back by an earlier eviction was not released
+        # whole: count from what it had released.)
+        released = self._released_of_next if batch_id == self._next_batch_id else p.num_groups
+        self._released_of_next = released - sum(1 for g in back if g.batch_id == batch_id)
         self._next_batch_id = batch_id
         for group in back:
             if p.is_stale(group):
