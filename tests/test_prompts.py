@@ -7,6 +7,11 @@ schedule is exact.
 from __future__ import annotations
 
 import json
+import pathlib
+import random
+import signal
+import subprocess
+import sys
 import threading
 from collections import Counter
 
@@ -350,7 +355,9 @@ def test_every_prompt_of_every_epoch_is_done_once_across_kills(
             agent = Recording(
                 prompts=source,
                 calls=calls,
-                fail_every=fail_every,
+                # Failures only when skipped: raised ones crash the run, and a crash
+                # on every restart could repeat with the failures' period.
+                fail_every=fail_every if skip else 0,
                 latencies=list(latencies),
                 parallel_generation_tasks=2 * num_groups,
                 buffer_size=1,
@@ -418,3 +425,44 @@ def test_every_prompt_of_every_epoch_is_done_once_across_kills(
     expected = sorted(f"p{i}" for i in range(NUM_PROBLEMS) if f"p{i}" not in FILTERED)
     for epoch in range(EPOCHS):
         assert sorted(per_epoch.get(epoch, [])) == expected, (epoch, per_epoch)
+
+
+def test_a_run_killed_by_sigkill_and_restarted_takes_each_prompt_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The sync bridge in a subprocess, SIGKILLed at random moments and restarted from
+    its last checkpoint, until every epoch is done: counted from the checkpoint, each
+    epoch's prompts were taken (or filtered) exactly once."""
+    num_problems, epochs = 12, 4
+    checkpoint = tmp_path / "checkpoint.json"
+    worker = pathlib.Path(__file__).with_name("_resume_worker.py")
+    rng = random.Random(11)
+    kills = 0
+    for _ in range(40):
+        process = subprocess.Popen(
+            [sys.executable, str(worker), str(checkpoint), str(num_problems), str(epochs)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        kill_after = rng.randint(1, 8) if kills < 6 else None
+        finished = False
+        for lines, line in enumerate(process.stdout, start=1):
+            if line.strip() == "finished":
+                finished = True
+                break
+            if kill_after is not None and lines >= kill_after:
+                process.send_signal(signal.SIGKILL)
+                kills += 1
+                break
+        process.stdout.close()
+        assert process.wait(timeout=60) in (0, -signal.SIGKILL)
+        if finished:
+            break
+    else:
+        pytest.fail("the run never finished")
+    assert kills >= 3  # 48 groups to take, at most 8 taken between kills
+    kept = json.loads(checkpoint.read_text())["kept"]
+    expected = sorted(f"p{i}" for i in range(num_problems) if f"p{i}" != "p2")
+    for epoch in range(epochs):
+        assert sorted(pid for e, pid in kept if e == epoch) == expected

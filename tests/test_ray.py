@@ -28,7 +28,20 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from _fakes import RawInterface  # noqa: E402
 
 import trio_rollouts as tr  # noqa: E402
+from trio_rollouts import ChatMessage  # noqa: E402
+from trio_rollouts.inference import (  # noqa: E402
+    EmbeddedInference,
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    LatencyModel,
+    Pausable,
+    WeightUpdateError,
+    WeightUpdateMode,
+)
 from trio_rollouts.ray import (  # noqa: E402
+    RayRolloutStreamStatistics,
+    RolloutActor,
     RolloutActorDiedError,
     blocking_ray_rollouts,
     open_ray_rollouts,
@@ -215,7 +228,7 @@ async def test_a_cancelled_receive_loses_no_group() -> None:
 # ------------------------------------------------------------------------ bounds and statistics
 
 
-async def settled_statistics(stream: object, started: list[int]) -> tr.RolloutStreamStatistics:
+async def settled_statistics(stream: object, started: list[int]) -> RayRolloutStreamStatistics:
     """Poll the actors until their ``started`` counters are ``started``, then once more
     after a settling time, and return that snapshot."""
     with trio.fail_after(WAIT):
@@ -404,3 +417,278 @@ def test_blocking_twin_raises_an_actor_exception_in_the_callers_thread() -> None
         blocking_ray_rollouts(Counting(fail_at=2), request(), num_actors=1) as stream,
     ):
         stream.take(100, timeout=WAIT)
+
+
+# ------------------------------------------------------------------------ weight updates
+
+
+def one_completion(prompt: list[ChatMessage]) -> tuple[list[str], list[float]]:
+    return ["abcd"], [1.0]
+
+
+@attrs.define
+class Stamping(tr.GroupedRolloutGenerator):
+    """One inference call per group; its rollouts carry the call's epoch stamps."""
+
+    tag: str = attrs.field(default="a", kw_only=True)
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        iface = request.inference_interface
+        response = await iface.agenerate(iface.prepare_request("q"))
+        return [
+            tr.Rollout(
+                trajectory=[response.raw_text or ""],
+                reward=float(i),
+                env_id=self.tag,
+                policy_epoch=[list(response.policy_epoch)],
+            )
+            for i in range(request.rollouts_per_group)
+        ]
+
+
+def stamping(i: int) -> Stamping:
+    return Stamping(tag=f"actor{i}", parallel_generation_tasks=4, buffer_size=2)
+
+
+@attrs.define(eq=False)
+class PauseFails(InferenceInterface, tr.ReturnsRaw, Pausable):
+    """A Pausable backend whose pause for ``keep`` fails (as a server without the
+    endpoint answers)."""
+
+    epoch: int = 0
+
+    @property
+    def supported_modes(self) -> frozenset[WeightUpdateMode]:
+        return frozenset({"drain", "restart", "keep", "abort"})
+
+    @property
+    def policy_epoch(self) -> int:
+        return self.epoch
+
+    @property
+    def stamps_policy_epoch(self) -> bool:
+        return False
+
+    async def pause(self, mode: WeightUpdateMode) -> None:
+        await trio.lowlevel.checkpoint()
+        if mode == "keep":
+            msg = "pause endpoint answered 404"
+            raise RuntimeError(msg)
+
+    async def resume(self, epoch: int) -> None:
+        await trio.lowlevel.checkpoint()
+        self.epoch = epoch
+
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        await trio.sleep(0.001)
+        return InferenceResponse(
+            response=ChatMessage(role="assistant", content="x"),
+            raw_text="x",
+            policy_epoch=[(0, self.epoch)],
+        )
+
+
+def embedded_request(i: int) -> tr.GroupedRolloutRequest:
+    """Built in each actor (EmbeddedInference keeps per-run state), in batch order, so
+    that taking many groups needs new calls from every actor."""
+    return tr.GroupedRolloutRequest(
+        num_groups=2,
+        rollouts_per_group=2,
+        inference_interface=EmbeddedInference(
+            policy=one_completion,
+            latency=LatencyModel(first_token=0.002, per_token=0.001, distribution="constant"),
+        ),
+        streaming=True,
+        enforce_order=True,
+    )
+
+
+def pause_fails_in_actor_1(i: int) -> tr.GroupedRolloutRequest:
+    if i == 0:
+        return embedded_request(i)
+    return tr.GroupedRolloutRequest(
+        num_groups=2,
+        rollouts_per_group=2,
+        inference_interface=PauseFails(),
+        streaming=True,
+        enforce_order=True,
+    )
+
+
+def last_epochs(groups: list[tr.RolloutGroup]) -> set[int]:
+    """The epoch each rollout's generation ended under."""
+    return {rollout.policy_epoch[0][-1][1] for group in groups for rollout in group}
+
+
+async def receive(stream: object, n: int) -> list[tr.RolloutGroup]:
+    # With enforce_order, n groups are n / 2 from each actor: more than an actor runs ahead
+    # (6), so both must generate.
+    with trio.fail_after(WAIT):
+        return [await stream.receive() for _ in range(n)]  # type: ignore[attr-defined]
+
+
+async def test_a_weight_update_pauses_every_actor_then_resumes_them_under_its_epoch() -> None:
+    async with open_ray_rollouts(stamping, embedded_request, num_actors=2) as stream:
+        await receive(stream, 2)
+        assert stream.policy_epoch == 0
+        async with stream.weight_update("drain") as update:
+            assert (update.epoch, update.mode, update.held) == (1, "drain", 0)
+            stats = await stream.fetch_statistics()
+            assert [s.in_flight for s in stats.per_actor] == [0, 0]
+            started = [s.started for s in stats.per_actor]
+            await trio.sleep(0.3)  # nothing starts in either actor
+            stats = await stream.fetch_statistics()
+            assert [s.started for s in stats.per_actor] == started
+            assert stream.policy_epoch == 0
+        assert stream.policy_epoch == 1
+        groups = await receive(stream, 20)
+        fresh = [g for g in groups if g.start_epoch == 1]
+        assert {g[0].env_id for g in fresh} == {"actor0", "actor1"}
+        assert last_epochs(fresh) == {1}
+        stats = await stream.fetch_statistics()
+        # Not summed: the merged stream's own epoch and count of updates.
+        assert (stats.policy_epoch, stats.weight_updates) == (1, 1)
+        assert [(s.policy_epoch, s.weight_updates) for s in stats.per_actor] == [(1, 1)] * 2
+        assert stats.unaccounted == 0
+    assert stream.policy_epoch == 1  # readable after the stream closed
+
+
+async def test_every_mode_reaches_every_actor() -> None:
+    async with open_ray_rollouts(stamping, embedded_request, num_actors=2) as stream:
+        for epoch, mode in enumerate(["drain", "restart", "keep", "abort"], start=1):
+            async with stream.weight_update(mode) as update:  # type: ignore[arg-type]
+                assert (update.epoch, update.mode) == (epoch, mode)
+            groups = await receive(stream, 20)
+            assert last_epochs(groups) <= {epoch - 1, epoch}
+            assert epoch in last_epochs(groups)
+        stats = await stream.fetch_statistics()
+        assert [s.policy_epoch for s in stats.per_actor] == [4, 4]
+        assert stats.unaccounted == 0
+
+
+async def test_a_failing_body_resumes_every_actor_under_the_old_epoch() -> None:
+    async with open_ray_rollouts(stamping, embedded_request, num_actors=2) as stream:
+        raised = Boom("the trainer failed")
+        with pytest.raises(Boom) as info:
+            async with stream.weight_update("keep"):
+                raise raised
+        assert info.value is raised
+        assert getattr(raised, "__notes__", []) == []
+        assert stream.policy_epoch == 0
+        groups = await receive(stream, 20)  # both actors generate again
+        assert last_epochs(groups) == {0}
+        stats = await stream.fetch_statistics()
+        assert [(s.policy_epoch, s.weight_updates) for s in stats.per_actor] == [(0, 0)] * 2
+        assert stats.weight_updates == 0
+
+
+async def test_an_actor_that_cannot_pause_resumes_the_others_and_raises_its_error() -> None:
+    async with open_ray_rollouts(stamping, pause_fails_in_actor_1, num_actors=2) as stream:
+        with pytest.raises(WeightUpdateError, match="pausing PauseFails") as info:
+            async with stream.weight_update("keep"):
+                pytest.fail("the body ran")
+        assert "raised in rollout actor 1 of 2" in info.value.__notes__[0]
+        assert "pause endpoint answered 404" in str(info.value)
+        assert stream.policy_epoch == 0
+        groups = await receive(stream, 20)  # actor 0 was resumed
+        assert last_epochs(groups) == {0}
+        async with stream.weight_update("drain") as update:  # a mode both can pause for
+            assert update.epoch == 1
+        assert stream.policy_epoch == 1
+
+
+async def test_bad_arguments_and_refusing_actors_are_errors_raised_as_themselves() -> None:
+    async with open_ray_rollouts(Counting(), request(), num_actors=2) as stream:
+        with pytest.raises(TypeError, match="takes no backends"):
+            async with stream.weight_update(backends=[RawInterface()]):
+                pytest.fail("the body ran")
+        with pytest.raises(ValueError, match="mode must be one of"):
+            async with stream.weight_update("pause"):  # type: ignore[arg-type]
+                pytest.fail("the body ran")
+        with pytest.raises(ValueError, match=r"policy_epoch \(0\), got 0"):
+            async with stream.weight_update(epoch=0):
+                pytest.fail("the body ran")
+        # Each actor refuses a mode its backend cannot pause for, as its stream does.
+        with pytest.raises(TypeError, match="RawInterface is not") as info:
+            async with stream.weight_update("keep"):
+                pytest.fail("the body ran")
+        assert "raised in rollout actor" in info.value.__notes__[0]
+        async with stream.weight_update(epoch=7) as update:
+            assert update.epoch == 7
+            with pytest.raises(RuntimeError, match="already in progress"):
+                async with stream.weight_update():
+                    pytest.fail("the body ran")
+        assert stream.policy_epoch == 7
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+async def test_an_actor_that_dies_in_an_update_is_an_error_naming_it(when: str) -> None:
+    with pytest.raises(RolloutActorDiedError, match="rollout actor 1 of 2") as info:
+        async with open_ray_rollouts(stamping, embedded_request, num_actors=2) as stream:
+            await receive(stream, 2)
+            if when == "before":
+                ray.kill(stream.actors[1])
+            async with stream.weight_update("keep"):
+                ray.kill(stream.actors[1])
+                with trio.fail_after(WAIT):
+                    await trio.sleep_forever()  # until the watcher fails the stream
+    assert info.value.actor_index == 1
+    assert_released(stream.actors)
+
+
+def test_blocking_twin_weight_update() -> None:
+    with blocking_ray_rollouts(stamping, embedded_request, num_actors=2) as stream:
+        stream.take(2, timeout=WAIT)
+        with stream.weight_update("keep") as update:
+            assert update.epoch == 1
+            assert stream.policy_epoch == 0
+        assert stream.policy_epoch == 1
+        with pytest.raises(Boom), stream.weight_update("drain"):
+            raise Boom
+        assert stream.policy_epoch == 1
+        with (
+            pytest.raises(TypeError, match="takes no backends"),
+            stream.weight_update(backends=[RawInterface()]),
+        ):
+            pytest.fail("the body ran")
+        groups = stream.take(20, timeout=WAIT)
+        assert 1 in last_epochs(groups)
+        stats = stream.fetch_statistics(timeout=WAIT)
+        assert (stats.policy_epoch, stats.weight_updates) == (1, 1)
+        assert [s.policy_epoch for s in stats.per_actor] == [1, 1]
+    assert stream.policy_epoch == 1
+
+
+def test_an_actor_gives_up_a_begin_its_end_overtook_and_refuses_it_later() -> None:
+    # The actor class itself, in this process: Ray may run an update's end before its
+    # begin (actor threads run calls in any order); nothing may stay paused.
+    actor = RolloutActor(hanging(), request())
+    actor.start()
+    pipeline = actor._stream._pipeline  # type: ignore[union-attr]
+    refused: list[BaseException] = []
+
+    def begin() -> None:
+        try:
+            actor.begin_weight_update(1, "drain", 1)  # waits for calls that never end
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    beginner = threading.Thread(target=begin)
+    beginner.start()
+    deadline = time.monotonic() + WAIT
+    while not pipeline.update_in_progress:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert actor.end_weight_update(1, body_failed=True) == []
+    beginner.join(WAIT)
+    assert "given up" in str(refused[0])
+    assert not pipeline.update_in_progress
+    with pytest.raises(RuntimeError, match="ended already"):
+        actor.begin_weight_update(1, "drain", 1)
+    update = actor.begin_weight_update(2, "restart", 1)
+    assert update.held == 4
+    assert actor.end_weight_update(2, body_failed=False) == []
+    assert actor.end_weight_update(2, body_failed=False) == []  # idempotent
+    stats = actor.statistics()
+    assert (stats.policy_epoch, stats.restarted, stats.unaccounted) == (1, 4, 0)
+    actor.stop(WAIT)

@@ -26,6 +26,12 @@ Invariants of the merge (each one is a test):
 4. Leaving the ``async with`` by any route stops every actor's pipeline (each one waits
    for its ``group_rollout`` calls to exit), then kills every actor; an actor that does not
    stop within ``stop_timeout`` seconds is killed anyway.
+5. ``weight_update``: every actor's pipeline is paused (each actor holds its own stream's
+   ``weight_update`` open in its Trio thread) before the body runs, and every actor is
+   resumed at the exit: under the new epoch when the body returned, under the old one
+   when it raised, was cancelled, or an actor could not pause. Updates are numbered; an
+   actor refuses to begin an update that was already ended, so a begin that Ray runs late
+   (actor threads run calls in any order) never leaves an actor paused.
 
 Ray's ``ObjectRef`` is awaitable in asyncio, not in Trio, so every wait for a reply is a
 ``ray.get`` in a worker thread that Trio abandons on cancellation (the reply, if it ever
@@ -55,11 +61,19 @@ except ImportError as exc:  # pragma: no cover - exercised only without ray
     raise ImportError(msg) from exc
 
 from ._agents import GroupedRolloutGenerator
-from ._blocking import BlockingRolloutStream, _BlockingContext, _check_timeout
+from ._blocking import (
+    BlockingRolloutStream,
+    _BlockingContext,
+    _check_timeout,
+    _HeldUpdate,
+    _hold_in,
+)
 from ._concurrency import flatten_exception_groups
 from ._models import GroupedRolloutRequest, RolloutGroup
 from ._pipeline import check_grouped_request
 from ._stream import EnvironmentStatistics, RolloutStream, RolloutStreamStatistics, drain_ready
+from ._weight_update import WeightUpdate, checked_epoch, checked_mode
+from .inference import InferenceInterface, WeightUpdateMode
 
 __all__ = [
     "BlockingRayRolloutStream",
@@ -81,8 +95,9 @@ AgentSource = GroupedRolloutGenerator | Callable[[int], GroupedRolloutGenerator]
 #: A request, or a function that builds one inside the actor from the actor's index.
 RequestSource = GroupedRolloutRequest | Callable[[int], GroupedRolloutRequest]
 
-#: Concurrent calls an actor must serve: a take, the watcher, a statistics poll, stop.
-ACTOR_CONCURRENCY = 4
+#: Concurrent calls an actor must serve: a take, the watcher, a statistics poll, a weight
+#: update's begin and its end (which can give up a begin still waiting), and stop.
+ACTOR_CONCURRENCY = 6
 #: Ray colours the remote traceback it puts in an error message.
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 #: The sequence number of an actor's final counters (returned by stop): newer than any.
@@ -134,6 +149,8 @@ class RolloutActorInfo:
     num_groups: int
     streaming: bool
     enforce_order: bool
+    #: The policy epoch of the actor's stream when its pipeline opened.
+    policy_epoch: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -173,14 +190,15 @@ class RolloutActor:
 
     :func:`open_ray_rollouts` creates and drives these actors; use the class directly only
     to drive actors yourself. It is a plain class: make it an actor with
-    ``ray.remote(RolloutActor).options(max_concurrency=4)`` (its methods block, so
-    :meth:`stop` and :meth:`statistics` need threads of their own while a :meth:`take`
-    waits). ``agent`` and ``request`` are the objects themselves (pickled to the actor) or
-    functions that build them in the actor, called with ``index``.
+    ``ray.remote(RolloutActor).options(max_concurrency=6)`` (its methods block, so
+    :meth:`stop`, :meth:`statistics` and a weight update need threads of their own while
+    a :meth:`take` waits). ``agent`` and ``request`` are the objects themselves (pickled to
+    the actor) or functions that build them in the actor, called with ``index``.
 
     Methods (each one blocks the calling thread of the actor, never the pipeline):
     :meth:`start`, :meth:`take`, :meth:`drain`, :meth:`serve`, :meth:`statistics`,
-    :meth:`wait_stopped`, :meth:`stop`.
+    :meth:`begin_weight_update`, :meth:`end_weight_update`, :meth:`wait_stopped`,
+    :meth:`stop`.
     """
 
     def __init__(self, agent: AgentSource, request: RequestSource, index: int = 0) -> None:
@@ -191,7 +209,13 @@ class RolloutActor:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stream: RolloutStream | None = None
         self._stop_scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None  # holds weight updates open
         self._stop_requested = False
+        # The weight update held open, by number, and the highest number ended (a begin
+        # that arrives after its end is refused). Actor threads share these.
+        self._update_lock = threading.Lock()
+        self._update: tuple[int, _HeldUpdate] | None = None
+        self._updates_ended = 0
         self._failure: BaseException | None = None
         self._failed_before_stop = False
         self._opened = threading.Event()  # the pipeline is open, or failed to open
@@ -234,6 +258,7 @@ class RolloutActor:
             num_groups=request.num_groups,
             streaming=request.streaming,
             enforce_order=request.enforce_order,
+            policy_epoch=cast(RolloutStream, self._stream).policy_epoch,
         )
 
     def _run_trio(self, pipeline: contextlib.AbstractAsyncContextManager[RolloutStream]) -> None:
@@ -243,14 +268,19 @@ class RolloutActor:
             self._token = trio.lowlevel.current_trio_token()
             async with pipeline as stream:
                 self._stream = stream
-                with trio.CancelScope() as scope:
-                    self._stop_scope = scope
-                    # stop() sets the flag before it reads the scope; we set the scope
-                    # before we read the flag: one of us sees the other.
-                    if self._stop_requested:
-                        scope.cancel()
-                    self._opened.set()
-                    await trio.sleep_forever()
+                # Weight updates are held open by tasks of this nursery: cancelling it
+                # (stop) ends them under the old epoch before the pipeline closes.
+                with flatten_exception_groups():
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        scope = nursery.cancel_scope
+                        self._stop_scope = scope
+                        # stop() sets the flag before it reads the scope; we set the scope
+                        # before we read the flag: one of us sees the other.
+                        if self._stop_requested:
+                            scope.cancel()
+                        self._opened.set()
+                        await trio.sleep_forever()
 
         try:
             trio.run(serve_pipeline)
@@ -339,6 +369,90 @@ class RolloutActor:
         """A snapshot of the pipeline's counters."""
         return self.serve(0).statistics
 
+    def begin_weight_update(self, number: int, mode: WeightUpdateMode, epoch: int) -> WeightUpdate:
+        """Begin weight update ``number``: enter the stream's ``weight_update(mode,
+        epoch=epoch)`` (pausing the request's ``inference_interface``) in the Trio thread,
+        hold it open, and return once its body may run.
+
+        Raises what entering raises, as itself (``ValueError``, ``TypeError``,
+        ``RuntimeError``, ``WeightUpdateError``; nothing is left paused then), the
+        pipeline's exception if it failed, and ``RuntimeError`` when update ``number``
+        was already ended by :meth:`end_weight_update` (a begin that ran late) or one is
+        already held. ``number`` must grow from one update to the next.
+        """
+        stream = cast(RolloutStream, self._stream)
+        held = _HeldUpdate(lambda: stream.weight_update(mode, epoch=epoch))
+        with self._update_lock:
+            if number <= self._updates_ended:
+                msg = f"rollout actor {self._index}: weight update {number} was ended already"
+                raise RuntimeError(msg)
+            if self._update is not None:
+                msg = (
+                    f"rollout actor {self._index}: weight update {self._update[0]} is "
+                    "already in progress (one at a time)"
+                )
+                raise RuntimeError(msg)
+            current = self._update = (number, held)
+        try:
+            self._call(lambda: _hold_in(self._nursery, held))
+        finally:
+            if held.update is None:  # not begun: failed, given up, or the pipeline ended
+                self._forget_update(current)
+        if held.enter_error is not None:
+            raise held.enter_error
+        if held.update is None:
+            msg = f"rollout actor {self._index}: weight update {number} was given up"
+            raise RuntimeError(msg)
+        return held.update
+
+    def end_weight_update(self, number: int, body_failed: bool) -> list[str]:
+        """End weight update ``number``: resume under its new epoch, or under the old
+        one when ``body_failed``; an update still beginning is given up (old epoch).
+        Returns once the backends have resumed.
+
+        Returns the notes of a failed body's exit (backends that failed to resume too).
+        Raises ``WeightUpdateError`` when a backend fails to resume after a returned body,
+        the pipeline's exception (or ``RuntimeError``) when the pipeline stopped while the
+        update was held and the body had returned, and ``RuntimeError`` when a returned
+        body ends an update that had not begun (it is given up). Idempotent: ending an update
+        that is not held returns ``[]``, and a later :meth:`begin_weight_update` of it is
+        refused.
+        """
+        with self._update_lock:
+            self._updates_ended = max(self._updates_ended, number)
+            current = self._update
+            if current is None or current[0] != number:
+                return []
+        held = current[1]
+        token = self._token
+        try:
+            if not held.finished.is_set() and token is not None:
+                with contextlib.suppress(trio.RunFinishedError, trio.Cancelled):
+                    trio.from_thread.run(held.finish, body_failed, trio_token=token)
+        finally:
+            self._forget_update(current)
+        if body_failed:
+            return held.exit_notes
+        if held.exit_error is not None:
+            raise held.exit_error
+        if held.abandoned:
+            msg = f"rollout actor {self._index}: weight update {number} had not begun"
+            raise RuntimeError(msg)
+        if held.ended is None:
+            self._stopped.wait()
+            self._raise_failure()
+            msg = (
+                f"rollout actor {self._index}: the pipeline stopped while weight update "
+                f"{number} was held; it ended under the old epoch"
+            )
+            raise RuntimeError(msg)
+        return []
+
+    def _forget_update(self, current: tuple[int, _HeldUpdate]) -> None:
+        with self._update_lock:
+            if self._update is current:
+                self._update = None
+
     def wait_stopped(self) -> None:
         """Block until the pipeline has ended; raise its exception if it failed before
         :meth:`stop` was called. (A watcher: the merge keeps one of these calls pending on
@@ -417,13 +531,18 @@ def _int_fields() -> tuple[str, ...]:
     return tuple(a.name for a in attrs.fields(RolloutStreamStatistics) if a.type in (int, "int"))
 
 
-_COUNTERS = _int_fields()
+#: Integer fields that are not counts of calls or groups: the merge takes the greatest
+#: actor's (the stream itself then puts in its own, see RayRolloutStream.statistics).
+_NOT_SUMMED = frozenset({"policy_epoch", "weight_updates"})
+_COUNTERS = tuple(name for name in _int_fields() if name not in _NOT_SUMMED)
 
 
 def _sum_statistics(
     per_actor: Sequence[RolloutStreamStatistics], prefetched: int
 ) -> RayRolloutStreamStatistics:
     totals = {name: sum(getattr(s, name) for s in per_actor) for name in _COUNTERS}
+    for name in _NOT_SUMMED:
+        totals[name] = max((getattr(s, name) for s in per_actor), default=0)
     per_env: dict[str, EnvironmentStatistics] = {}
     for s in per_actor:
         for env_id, e in s.per_env.items():
@@ -562,6 +681,10 @@ class RayRolloutStream:
     _closed: bool
     _failure: BaseException | None
     _cancel_scope: trio.CancelScope | None
+    _policy_epoch: int
+    _weight_updates: int
+    _updating: bool
+    _update_number: int
 
     def __init__(self) -> None:
         msg = "RayRolloutStream is created by open_ray_rollouts()"
@@ -587,9 +710,10 @@ class RayRolloutStream:
         self._start_timeout = start_timeout
         self._stop_timeout = stop_timeout
         self._lanes = []
-        # Threads blocked in ray.get: a feeder and a watcher per actor, plus start, stop
-        # and statistics polls (abandoned threads hold their token until Ray answers).
-        self._limiter = trio.CapacityLimiter(max(8, 4 * num_actors))
+        # Threads blocked in ray.get: a feeder and a watcher per actor, plus start, stop,
+        # statistics polls and a weight update's begin and end (abandoned threads hold
+        # their token until Ray answers).
+        self._limiter = trio.CapacityLimiter(max(8, 6 * num_actors))
         self._arrivals = collections.deque()
         self._consumer = trio.lowlevel.ParkingLot()  # the consumer waits here for groups
         self._turn = 0  # enforce_order: the actor whose batch is next
@@ -601,6 +725,10 @@ class RayRolloutStream:
         self._closed = False
         self._failure = None
         self._cancel_scope = None
+        self._policy_epoch = 0  # the actors' greatest, once they have started
+        self._weight_updates = 0
+        self._updating = False
+        self._update_number = 0
         return self
 
     def __repr__(self) -> str:
@@ -676,6 +804,7 @@ class RayRolloutStream:
             )
             raise ValueError(msg)
         self._num_groups, self._streaming, self._enforce_order = shapes.pop()
+        self._policy_epoch = max(info.policy_epoch for info in infos)
 
     async def _stop_actors(self) -> BaseException | None:
         """Stop every pipeline (waiting up to stop_timeout), then kill every actor.
@@ -853,10 +982,126 @@ class RayRolloutStream:
 
     def statistics(self) -> RayRolloutStreamStatistics:
         """The actors' counters summed, and each actor's in ``per_actor``, as of each
-        actor's latest reply (see :class:`RayRolloutStreamStatistics`). Never asks an
-        actor; not a checkpoint."""
+        actor's latest reply (see :class:`RayRolloutStreamStatistics`); ``policy_epoch``
+        and ``weight_updates`` are the merged stream's own. Never asks an actor; not a
+        checkpoint."""
         prefetched = sum(lane.held for lane in self._lanes if not lane.closed)
-        return _sum_statistics([lane.statistics() for lane in self._lanes], prefetched)
+        merged = _sum_statistics([lane.statistics() for lane in self._lanes], prefetched)
+        return attrs.evolve(
+            merged, policy_epoch=self._policy_epoch, weight_updates=self._weight_updates
+        )
+
+    # ---------------------------------------------------------------- weight updates
+
+    @property
+    def policy_epoch(self) -> int:
+        """The merged stream's policy epoch: the greatest of the actors' epochs when they
+        started, then the epoch of each :meth:`weight_update` whose body returned.
+        Readable after the stream has closed."""
+        return self._policy_epoch
+
+    def weight_update(
+        self,
+        mode: WeightUpdateMode = "drain",
+        *,
+        epoch: int | None = None,
+        backends: Sequence[InferenceInterface] | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[WeightUpdate]:
+        """Pause every actor's pipeline for a weight update, as an async context
+        manager::
+
+            async with stream.weight_update(mode="drain") as update:
+                await push_weights(update.epoch)   # to every actor's backend
+
+        Each actor enters its own stream's
+        :meth:`~trio_rollouts.RolloutStream.weight_update` with ``mode`` and ``epoch``
+        (default ``policy_epoch + 1``), pausing its request's ``inference_interface``;
+        the body runs once every actor has paused. ``update.held`` is the actors' total,
+        ``update.pause_seconds`` the time until the last one had paused. At the exit
+        every actor resumes: under the new epoch when the body returned (then
+        :attr:`policy_epoch` moves), under the old one when the body raised or was
+        cancelled. Groups already in the merge, or finished in an actor, can be taken
+        during the body.
+
+        ``backends`` must be ``None`` (``TypeError`` otherwise): backends in this process
+        cannot reach the actors' copies, which are built or unpickled in each actor;
+        each actor pauses its own request's ``inference_interface``. To pause another
+        backend, make it the request's interface (a request factory can give each actor
+        its own), or drive :class:`RolloutActor`'s ``begin_weight_update`` yourself.
+
+        Errors: ``ValueError`` for an unknown mode or an epoch not above
+        :attr:`policy_epoch`, ``RuntimeError`` for a second update while one is in
+        progress (these before any actor is asked). An actor that cannot pause raises,
+        in that actor, what its stream raises (``TypeError`` for a mode its backend does
+        not support, :class:`~trio_rollouts.inference.WeightUpdateError` when a pause
+        failed), with a note naming the actor: every actor is then resumed under the old
+        epoch (the others may have paused already) and that error is raised. An actor
+        that dies during the update is a :class:`RolloutActorDiedError` (and fails the
+        stream); the other actors are resumed. A backend that fails to resume after a
+        returned body is a ``WeightUpdateError`` raised at the exit (the epoch has
+        moved), after every actor was told; after a failed body, such failures are
+        notes on the body's exception.
+
+        Staleness: with ``max_staleness``, each actor checks its groups when it serves
+        them to the merge; groups already in the merge (at most ``prefetch_batches``
+        batches per actor) are not checked again.
+
+        Cancellation: entering waits for every actor to pause (a drain waits for the
+        actors' calls in flight); cancelling it, or the body, resumes every actor under
+        the old epoch, shielded from cancellation. The exit waits, shielded, for every
+        actor to resume. Nothing is left paused on any route; an actor whose Trio loop
+        is blocked (a ``group_rollout`` that never yields) holds the wait.
+        """
+        return _open_ray_weight_update(self, mode, epoch, backends)
+
+    async def _begin_update(
+        self, number: int, mode: WeightUpdateMode, epoch: int
+    ) -> list[WeightUpdate]:
+        """Begin update ``number`` in every actor at once; raise the first failure (the
+        others as notes) once every begin has answered or been abandoned."""
+        updates: list[WeightUpdate] = []
+        failures: list[BaseException] = []
+
+        async def begin(lane: _Lane, cancel_scope: trio.CancelScope) -> None:
+            try:
+                ref = lane.handle.begin_weight_update.remote(number, mode, epoch)
+                updates.append(await self._ray_get(ref))
+            except Exception as exc:
+                failures.append(lane.translate(exc))
+                cancel_scope.cancel()  # one actor cannot pause: stop waiting for the rest
+
+        with flatten_exception_groups():
+            async with trio.open_nursery() as nursery:
+                for lane in self._lanes:
+                    nursery.start_soon(begin, lane, nursery.cancel_scope)
+        if failures:
+            error = failures[0]
+            for other in failures[1:]:
+                error.add_note(f"another actor failed too: {type(other).__name__}: {other}")
+            raise error
+        return updates
+
+    async def _end_update(self, number: int, body_failed: bool) -> list[BaseException]:
+        """End update ``number`` in every actor (each one gives up a begin still waiting
+        and refuses a late one), shielded from cancellation; return the failures, the
+        notes of a failed body's exit among them as ``_ActorNotes``."""
+        failures: list[BaseException] = []
+
+        async def end(lane: _Lane) -> None:
+            try:
+                ref = lane.handle.end_weight_update.remote(number, body_failed)
+                notes: list[str] = await self._ray_get(ref)
+            except Exception as exc:
+                failures.append(lane.translate(exc))
+            else:
+                if notes:
+                    failures.append(_ActorNotes(lane.describe(), notes))
+
+        with trio.CancelScope(shield=True), flatten_exception_groups():
+            async with trio.open_nursery() as nursery:
+                for lane in self._lanes:
+                    nursery.start_soon(end, lane)
+        return failures
 
     async def fetch_statistics(self) -> RayRolloutStreamStatistics:
         """Ask every actor for its counters now, wait for the answers, then return
@@ -883,6 +1128,81 @@ class RayRolloutStream:
         return self.statistics()
 
 
+class _ActorNotes(Exception):
+    """The notes an actor's update added on its way out of a failed body (resume
+    failures), carried back to the merge as a failure of that actor's exit."""
+
+    def __init__(self, actor: str, notes: list[str]) -> None:
+        super().__init__(f"{actor}: " + "; ".join(notes))
+
+
+@contextlib.asynccontextmanager
+async def _open_ray_weight_update(
+    stream: RayRolloutStream,
+    mode: object,
+    epoch: object,
+    backends: Sequence[InferenceInterface] | None,
+) -> AsyncIterator[WeightUpdate]:
+    """What :meth:`RayRolloutStream.weight_update` returns."""
+    if stream._closed:
+        msg = "weight_update() on a stream whose async with has exited"
+        raise RuntimeError(msg)
+    if backends is not None:
+        msg = (
+            "RayRolloutStream.weight_update() takes no backends: each actor pauses its own "
+            "request's inference_interface (backends in this process cannot reach the "
+            "actors' copies); make the backend to pause the request's inference_interface, "
+            "or drive RolloutActor.begin_weight_update yourself"
+        )
+        raise TypeError(msg)
+    checked = checked_mode(mode)
+    new_epoch = checked_epoch(epoch, stream._policy_epoch)
+    if stream._updating:
+        msg = "a weight update is already in progress on this stream (one at a time)"
+        raise RuntimeError(msg)
+    stream._updating = True
+    stream._update_number += 1
+    number = stream._update_number
+    entered = trio.current_time()
+    try:
+        try:
+            updates = await stream._begin_update(number, checked, new_epoch)
+        except BaseException as exc:
+            # An actor could not pause, or the wait was cancelled (or the stream failed):
+            # every actor resumes under the old epoch.
+            for failure in await stream._end_update(number, body_failed=True):
+                exc.add_note(f"ending the update failed too: {_describe(failure)}")
+            raise
+        update = WeightUpdate(
+            epoch=new_epoch,
+            mode=checked,
+            held=sum(u.held for u in updates),
+            pause_seconds=trio.current_time() - entered,
+        )
+        try:
+            yield update
+        except BaseException as exc:
+            for failure in await stream._end_update(number, body_failed=True):
+                exc.add_note(f"ending the update failed too: {_describe(failure)}")
+            raise
+        stream._policy_epoch = new_epoch
+        stream._weight_updates += 1
+        failures = await stream._end_update(number, body_failed=False)
+    finally:
+        stream._updating = False
+    if failures:
+        error = failures[0]
+        for other in failures[1:]:
+            error.add_note(f"ending the update failed too: {_describe(other)}")
+        raise error
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, _ActorNotes):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _check_positive(name: str, value: object, *, integer: bool) -> None:
     kind = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind):
@@ -903,7 +1223,8 @@ def _checked_actor_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(concurrency, int) or concurrency < ACTOR_CONCURRENCY:
         msg = (
             f"actor_options max_concurrency must be >= {ACTOR_CONCURRENCY} (a take, the "
-            f"watcher, a statistics poll and stop run at once), got {concurrency!r}"
+            "watcher, a statistics poll, a weight update's begin and end, and stop run at "
+            f"once), got {concurrency!r}"
         )
         raise ValueError(msg)
     if merged.get("max_restarts", 0) != 0:
@@ -1037,7 +1358,13 @@ class BlockingRayRolloutStream(BlockingRolloutStream):
     """The merged groups of Ray rollout actors, driven from synchronous code; created by
     :func:`blocking_ray_rollouts`. The surface of
     :class:`~trio_rollouts.BlockingRolloutStream` (``take``, ``get``, ``try_next``,
-    ``drain``, iteration, ``statistics``), plus :meth:`fetch_statistics` and the actors.
+    ``drain``, iteration, ``statistics``, ``policy_epoch``, and ``weight_update`` as a
+    plain ``with``, which pauses every actor as :meth:`RayRolloutStream.weight_update`
+    does), plus :meth:`fetch_statistics` and the actors.
+
+    Staleness: groups that a timed-out ``take()`` kept are not checked again after a
+    weight update (as groups already in the merge are not; see
+    :meth:`RayRolloutStream.weight_update`).
     """
 
     def __init__(
