@@ -635,3 +635,33 @@ async def test_a_bound_and_keep_cancelled_while_dropped_calls_exit(
         stats = stream.statistics()
         assert stats.stale == 1
         ledger_ok(stats)
+
+
+async def test_held_calls_start_in_slot_order(autojump_clock: trio.testing.MockClock) -> None:
+    """When an update ends, the calls it held start one by one in slot order, so a seeded
+    backend that hands out its random streams in arrival order gives the same samples on
+    every run."""
+    order: list[tuple[int, int]] = []
+
+    @attrs.define
+    class Recording(tr.GroupedRolloutGenerator):
+        def _slot_generator(self, request: tr.GroupedRolloutRequest) -> Any:
+            async def generate(batch_id: int, index: int) -> list[tr.Rollout]:
+                order.append((batch_id, index))  # before the call's first checkpoint
+                await trio.sleep(1)
+                return [tr.Rollout(trajectory=["x"], reward=0.0)]
+
+            return generate
+
+        async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+            raise NotImplementedError
+
+    request = grouped(RawInterface(), num_groups=4, enforce_order=True)
+    agent = Recording(parallel_generation_tasks=8, buffer_size=0)
+    async with agent.get_grouped_rollouts(request) as stream:
+        await trio.sleep(0.5)
+        async with stream.weight_update("restart"):
+            order.clear()
+        await trio.sleep(0.5)
+        assert order == sorted(order)
+        assert len(order) == 8

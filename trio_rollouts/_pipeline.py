@@ -199,6 +199,8 @@ class _Pipeline:
         "filtering",
         "free_slots",
         "frozen_at",
+        "gate_queue",
+        "gate_waiters",
         "generate",
         "group_draws",
         "group_timeout",
@@ -238,7 +240,6 @@ class _Pipeline:
         "tracking",
         "unstamped_epochs",
         "untaken",
-        "update_gate",
         "update_in_progress",
         "update_progress",
         "updating",
@@ -308,7 +309,12 @@ class _Pipeline:
         # Whether calls that end must be reported to an update (``updating``, or calls
         # it dropped have not all exited).
         self.watching = False
-        self.update_gate = trio.lowlevel.ParkingLot()
+        # Calls held by an update wait in gate_waiters; when it ends they start one at a
+        # time in slot order (gate_queue), each releasing the next, so that the order in
+        # which they reach the backend is fixed (a seeded backend gives the same
+        # samples on every run of the same schedule).
+        self.gate_waiters: list[tuple[tuple[int, int], trio.Event]] = []
+        self.gate_queue: collections.deque[trio.Event] = collections.deque()
         self.update_progress = trio.lowlevel.ParkingLot()
         self.call_epoch: list[int | None] = [None] * workers
         self.drop_reason: list[str | None] = [None] * workers
@@ -404,10 +410,28 @@ class _Pipeline:
 
     # ---------------------------------------------------------------- weight updates
 
-    async def wait_for_update(self) -> None:
-        """Hold a call that is about to start until the weight update is over."""
+    async def wait_for_update(self, batch_id: int, index: int) -> None:
+        """Hold the call of slot ``(batch_id, index)``, about to start, until the weight
+        update is over (see ``open_gate``)."""
         while self.updating:
-            await self.update_gate.park()
+            released = trio.Event()
+            self.gate_waiters.append(((batch_id, index), released))
+            await released.wait()
+            # Before this call starts (and runs to its first checkpoint), let the next
+            # one go: it runs only once this one has yielded.
+            self.release_next_call()
+
+    def open_gate(self) -> None:
+        """End an update's hold: the held calls start one by one, in slot order."""
+        self.updating = False
+        self.gate_waiters.sort(key=lambda waiter: waiter[0])
+        self.gate_queue.extend(released for _, released in self.gate_waiters)
+        self.gate_waiters.clear()
+        self.release_next_call()
+
+    def release_next_call(self) -> None:
+        if self.gate_queue:
+            self.gate_queue.popleft().set()
 
     def drop_calls(self, reason: str, older_than: int | None) -> int:
         """Cancel the calls in flight (those that started before epoch ``older_than``,
@@ -566,7 +590,7 @@ class _Pipeline:
                     # rather than by a cancel scope of its own, which costs more than
                     # the rest of a group's trip through the pipeline.
                     if self.updating:
-                        await self.wait_for_update()
+                        await self.wait_for_update(batch_id, index)
                     epoch = self.epoch
                     self.started += 1
                     self.in_flight += 1
@@ -800,7 +824,7 @@ class _Pipeline:
         is booked as restarted or stale and raises :class:`_Dropped`.
         """
         if self.updating:
-            await self.wait_for_update()
+            await self.wait_for_update(batch_id, index)
         epoch = self.epoch
         self.started += 1
         self.in_flight += 1

@@ -231,7 +231,6 @@ def _reopen(p: _Pipeline) -> None:
     """Open the gate and restart the deadlines' clocks (synchronous: cannot be
     interrupted)."""
     p.thaw_deadlines()
-    p.updating = False
     p.watching = p.dropping()
     p.update_in_progress = False
-    p.update_gate.unpark_all()
+    p.open_gate()
