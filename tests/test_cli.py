@@ -179,6 +179,8 @@ def test_demo_learns_from_near_chance_to_above_0_9() -> None:
     assert final >= 0.9
     assert "staleness" in result.stdout
     assert "filtered groups" in result.stdout
+    assert re.search(r"weight updates \(mode\)\W+36 \(keep\)", result.stdout)
+    assert "time paused for updates" in result.stdout
 
 
 async def test_the_demo_loop_learns_on_a_mock_clock(autojump_clock: trio.testing.MockClock) -> None:
@@ -186,6 +188,8 @@ async def test_the_demo_loop_learns_on_a_mock_clock(autojump_clock: trio.testing
     assert result.initial_accuracy < 0.2
     assert result.final_accuracy >= 0.9
     assert all(m.staleness_max <= 2 for m in result.steps)
+    assert result.weight_updates == 20
+    assert result.config.update_mode == "keep"
 
 
 def test_demo_is_reproducible_for_a_seed(tmp_path: Path) -> None:
@@ -209,13 +213,16 @@ def test_demo_out_holds_every_group_with_its_policy_epochs(tmp_path: Path) -> No
     for number, group in enumerate(groups):
         trainer_epoch = number // 4  # the trainer took batch s at policy epoch s
         assert group.batch_id == trainer_epoch
+        assert 0 <= trainer_epoch - group.start_epoch <= 2  # --lag 2
         for rollout in group:
             boundaries = rollout.policy_epoch[0]
             starts = [start for start, _ in boundaries]
             assert starts == sorted(set(starts))
-            assert 0 <= trainer_epoch - boundaries[0][1] <= 2  # --lag 2
+            assert group.start_epoch <= boundaries[0][1] <= trainer_epoch
             spanning += len(boundaries) > 1
-    assert spanning > 0  # some rollouts were generated across a weight update
+    # Some rollouts were generated across a weight update (the default --update-mode
+    # keep holds them and continues them under the new weights).
+    assert spanning > 0
 
 
 def test_demo_on_the_real_clock() -> None:

@@ -5,20 +5,22 @@ no GPU. The *model* is :class:`AnswerTablePolicy`, a numpy table of logits serve
 :class:`~trio_rollouts.inference.EmbeddedInference`; the *environment* is
 :class:`~trio_rollouts.envs.ArithmeticEnvironment`; rollouts stream from the grouped
 pipeline with bounded lag (``lag`` batches outstanding); the *trainer* takes one
-batch per step, computes GRPO advantages with :meth:`RolloutGroup.advantages`, takes one
-clipped policy-gradient step on the logits using the rollouts' log-probabilities, and
-publishes the new weights with :meth:`EmbeddedInference.set_generation_epoch`, so
-rollouts carry real ``policy_epoch`` boundaries and the trainer can measure how stale
-they are. On a virtual clock (trio's ``MockClock``) the simulated latency costs no real
-time and a seed fixes every number; on the real clock the loop is the same, but which
-weights a group is sampled with depends on timing.
+batch per step, computes GRPO advantages with :meth:`RolloutGroup.advantages`, and
+applies one clipped policy-gradient step to the logits (using the rollouts'
+log-probabilities) inside :meth:`RolloutStream.weight_update`, which pauses generation
+as ``DemoConfig.update_mode`` says and moves the stream to the next policy epoch. Groups
+carry the epoch they started under (``start_epoch``) and rollouts real ``policy_epoch``
+boundaries, so the trainer measures how stale they are, and
+``DemoConfig.max_staleness`` bounds it. On a virtual clock (trio's ``MockClock``) the
+simulated latency costs no real time and a seed fixes every number; on the real clock
+the loop is the same, but which weights a group is sampled with depends on timing.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import IO, Any
 
 import attrs
@@ -27,14 +29,17 @@ import numpy.typing as npt
 import trio
 
 from ._evaluation import Problem
-from ._models import ChatMessage, GroupedRolloutRequest, RolloutGroup, TokenRollout
+from ._models import ChatMessage, GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._prompt_file import write_groups
 from .envs.arithmetic import ArithmeticEnvironment
-from .inference import EmbeddedInference, LatencyModel
+from .inference import WEIGHT_UPDATE_MODES, EmbeddedInference, LatencyModel, WeightUpdateMode
 
 __all__ = ["AnswerTablePolicy", "DemoConfig", "DemoResult", "StepMetrics", "run_demo"]
 
 _CANDIDATE_STREAM = 0x43414E44
+_DISPATCH_STREAM = 0x44495350
+#: The longest delay between a call's start and its requests reaching the engine.
+_DISPATCH_SECONDS = 0.001
 #: Steps over which StepMetrics.groups_per_second is measured.
 _RATE_WINDOW = 5
 
@@ -190,12 +195,48 @@ def _logprob(rollout: TokenRollout) -> float:
     return float(sum(rollout.logprobs[0])) if rollout.logprobs else 0.0
 
 
-def _generation_epoch(rollout: Any) -> int:
-    """The policy epoch a rollout started (and, in the embedded engine, was sampled) under."""
-    return int(rollout.policy_epoch[0][0][1]) if rollout.policy_epoch else 0
-
-
 # --------------------------------------------------------------------------- the loop
+
+
+@attrs.define(kw_only=True)
+class _DemoEnvironment(ArithmeticEnvironment):
+    """The arithmetic environment, each of whose calls reaches the engine after a short
+    seeded delay (up to ``_DISPATCH_SECONDS``, drawn from the seed, the slot and the
+    slot's call count), as a request's trip to a server takes.
+
+    It keeps a virtual-clock run reproducible across weight updates. The embedded engine
+    gives the ``n``-th request of a prompt text its ``n``-th random stream, and when a
+    weight update ends the calls it held back all start at the same virtual instant
+    (one by one in slot order, but each call sends its requests from tasks of its own,
+    which Trio runs in an order it varies from run to run); two groups of the same
+    problem (a regenerated slot draws its problem at random) started together would
+    then swap samples. Delayed by distinct amounts, their requests arrive in an order
+    that the seed fixes.
+    """
+
+    def _slot_generator(
+        self, request: GroupedRolloutRequest
+    ) -> Callable[[int, int], Awaitable[list[Rollout] | list[TokenRollout] | RolloutGroup]]:
+        generate = super()._slot_generator(request)
+        # Calls per slot, for the batches that may still be generating (as the base
+        # class counts attempts): each slot's calls run one after the other.
+        window = max(1, self.parallel_generation_tasks // request.num_groups)
+        calls: dict[int, dict[int, int]] = {}
+        seed = self.seed
+
+        async def dispatched(
+            batch_id: int, index_in_batch: int
+        ) -> list[Rollout] | list[TokenRollout] | RolloutGroup:
+            of_batch = calls.setdefault(batch_id, {})
+            call = of_batch.get(index_in_batch, 0)
+            of_batch[index_in_batch] = call + 1
+            for old in [b for b in calls if b <= batch_id - window]:
+                del calls[old]
+            rng = np.random.default_rng([seed, _DISPATCH_STREAM, batch_id, index_in_batch, call])
+            await trio.sleep(_DISPATCH_SECONDS * float(rng.random()))
+            return await generate(batch_id, index_in_batch)
+
+        return dispatched
 
 
 def _check_count(minimum: int) -> Any:
@@ -213,6 +254,19 @@ def _check_non_negative(instance: object, attribute: attrs.Attribute[Any], value
         raise ValueError(msg)
 
 
+def _check_mode(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or value not in WEIGHT_UPDATE_MODES:
+        allowed = ", ".join(repr(m) for m in ("drain", "restart", "keep", "abort"))
+        msg = f"{attribute.name} must be one of {allowed}, got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_optional_count(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        msg = f"{attribute.name} must be None or an int >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class DemoConfig:
     """The demo's settings; the defaults learn from chance to above 0.9 accuracy.
@@ -220,8 +274,19 @@ class DemoConfig:
     ``lag`` is how many batches are outstanding at once
     (``parallel_generation_tasks = lag * groups_per_step``): while the trainer works on
     one batch, the next ``lag`` are being generated, so a rollout is at most ``lag``
-    updates old. ``train_seconds`` is how long one update "takes" on the run's clock:
-    generation goes on meanwhile, with the old weights.
+    updates old. ``train_seconds`` is how long computing one update "takes" on the run's
+    clock: generation goes on meanwhile, with the old weights.
+
+    The trainer then applies the update inside
+    ``stream.weight_update(mode=update_mode)`` (see :meth:`RolloutStream.weight_update`):
+    ``"keep"`` (the default) holds the calls in flight for the update and continues them
+    under the new weights, so generation barely stops and a rollout can span an update,
+    as with an engine whose weights are swapped in place; ``"abort"`` stops them with
+    their partial output and continues them after it (a new prefill); ``"drain"`` lets
+    them finish under the old weights first; ``"restart"`` cancels and regenerates them.
+    ``max_staleness`` (``GroupedRolloutRequest.max_staleness``) regenerates any group
+    that would reach the trainer more than that many policy epochs after the epoch it
+    started under; ``0`` trains on-policy only. ``None``: no bound but ``lag``.
     """
 
     seed: int = attrs.field(default=0, validator=_check_count(0))
@@ -238,21 +303,35 @@ class DemoConfig:
     latency: LatencyModel = attrs.field(
         factory=lambda: LatencyModel(first_token=0.03, per_token=0.01)
     )
+    update_mode: WeightUpdateMode = attrs.field(default="keep", validator=_check_mode)
+    max_staleness: int | None = attrs.field(default=None, validator=_check_optional_count)
 
 
 @attrs.frozen(kw_only=True)
 class StepMetrics:
     """What one training step saw and did.
 
+    - ``epoch``: the policy epoch after the step's weight update (``update.epoch``).
     - ``mean_reward``: mean reward of the step's rollouts.
     - ``accuracy``: :meth:`AnswerTablePolicy.accuracy` after the step's update.
     - ``groups_per_second``: groups taken per second of the run's clock, over the last
       five steps.
     - ``filtered``: groups dropped (all rewards equal) and regenerated during the step.
-    - ``staleness_mean`` / ``staleness_max``: over the step's rollouts, the trainer's
-      policy epoch minus the epoch the rollout was generated under.
+    - ``staleness_mean`` / ``staleness_max``: over the step's groups,
+      ``stream.policy_epoch - group.start_epoch`` when the trainer took them: how many
+      updates older than the trainer's the weights were when the group's generation
+      started (what ``max_staleness`` bounds). A rollout's own ``policy_epoch`` stamps
+      are never older than its group's ``start_epoch``.
     - ``mixed_epoch``: rollouts whose generation spanned a weight update (more than one
       ``policy_epoch`` boundary).
+    - ``held``: calls in flight that the step's update held (``keep``), aborted
+      (``abort``), or cancelled (``restart``, or the staleness bound): ``update.held``.
+    - ``pause_seconds``: from entering the update until generation had stopped and the
+      body began (``update.pause_seconds``).
+    - ``update_seconds``: the whole update, from entering it until generation went on:
+      ``pause_seconds`` plus the body, where the weights change. No call starts
+      meanwhile; this is the step's time spent paused.
+    - ``elapsed``: when the step's batch had arrived, since the start of the run.
     """
 
     step: int
@@ -264,12 +343,23 @@ class StepMetrics:
     staleness_mean: float
     staleness_max: int
     mixed_epoch: int
+    held: int
+    pause_seconds: float
+    update_seconds: float
     elapsed: float
 
 
 @attrs.frozen(kw_only=True)
 class DemoResult:
-    """A finished demo: the accuracy before training and every step's metrics."""
+    """A finished demo: the accuracy before training, every step's metrics, and the
+    stream's totals.
+
+    ``filtered``, ``weight_updates``, ``restarted``, ``stale`` and ``mixed`` are the
+    stream's counters at the end (:class:`RolloutStreamStatistics`): groups dropped for
+    equal rewards, updates done, calls cancelled by ``restart`` updates, calls and
+    groups regenerated for ``max_staleness``, and groups that spanned an update on a
+    backend that does not stamp epochs (0 here: the embedded backend stamps them).
+    """
 
     config: DemoConfig
     initial_accuracy: float
@@ -278,10 +368,39 @@ class DemoResult:
     rollouts: int
     filtered: int
     elapsed: float
+    weight_updates: int = 0
+    restarted: int = 0
+    stale: int = 0
+    mixed: int = 0
 
     @property
     def final_accuracy(self) -> float:
         return self.steps[-1].accuracy if self.steps else self.initial_accuracy
+
+    @property
+    def staleness_mean(self) -> float:
+        """Mean over every group trained on of ``policy_epoch - start_epoch``."""
+        return float(np.mean([m.staleness_mean for m in self.steps])) if self.steps else 0.0
+
+    @property
+    def staleness_max(self) -> int:
+        return max((m.staleness_max for m in self.steps), default=0)
+
+    @property
+    def held(self) -> int:
+        """Calls held, aborted or cancelled by the updates, in all."""
+        return sum(m.held for m in self.steps)
+
+    @property
+    def pause_seconds(self) -> float:
+        """Time spent waiting for generation to stop, summed over the updates."""
+        return math.fsum(m.pause_seconds for m in self.steps)
+
+    @property
+    def paused_seconds(self) -> float:
+        """Time spent paused: the updates' whole durations (``update_seconds``),
+        summed; no call started meanwhile."""
+        return math.fsum(m.update_seconds for m in self.steps)
 
 
 async def run_demo(
@@ -301,7 +420,7 @@ async def run_demo(
     Cancellation: cancelling it stops the pipeline (every generation in flight is
     cancelled) and raises ``trio.Cancelled``; groups already written stay written.
     """
-    env = ArithmeticEnvironment(
+    env = _DemoEnvironment(
         num_problems=config.num_problems,
         seed=config.seed,
         parallel_generation_tasks=config.lag * config.groups_per_step,
@@ -316,6 +435,7 @@ async def run_demo(
         streaming=True,
         enforce_order=True,
         filter_groups_with_same_reward=config.filter_groups,
+        max_staleness=config.max_staleness,
     )
     initial_accuracy = policy.accuracy()
     if on_start is not None:
@@ -332,19 +452,23 @@ async def run_demo(
             now = trio.current_time()
             arrivals.append(now)
             window = now - arrivals[0]
-            epoch = interface.generation_epoch
+            epoch = stream.policy_epoch
             rollouts = [rollout for group in groups for rollout in group]
-            staleness = [epoch - _generation_epoch(rollout) for rollout in rollouts]
+            staleness = [epoch - group.start_epoch for group in groups]
             if out is not None:
                 write_groups(out, groups)
-            # The update "takes" train_seconds; generation goes on with the old weights.
+            # Computing the update "takes" train_seconds; generation goes on meanwhile,
+            # with the old weights.
             await trio.sleep(config.train_seconds)
-            policy.grpo_step(groups, config.learning_rate, config.clip)
-            interface.set_generation_epoch(epoch + 1)
+            entered = trio.current_time()
+            async with stream.weight_update(mode=config.update_mode) as update:
+                # Generation has stopped as the mode says: change the weights.
+                policy.grpo_step(groups, config.learning_rate, config.clip)
+            update_seconds = trio.current_time() - entered
             filtered = stream.statistics().filtered
             step_metrics = StepMetrics(
                 step=step,
-                epoch=epoch + 1,
+                epoch=update.epoch,
                 mean_reward=float(np.mean([group.rewards().mean() for group in groups])),
                 accuracy=policy.accuracy(),
                 groups_per_second=(len(arrivals) - 1) * len(groups) / window
@@ -354,12 +478,16 @@ async def run_demo(
                 staleness_mean=float(np.mean(staleness)),
                 staleness_max=max(staleness),
                 mixed_epoch=sum(len(r.policy_epoch[0]) > 1 for r in rollouts if r.policy_epoch),
+                held=update.held,
+                pause_seconds=update.pause_seconds,
+                update_seconds=update_seconds,
                 elapsed=now - start,
             )
             filtered_before = filtered
             metrics.append(step_metrics)
             if on_step is not None:
                 on_step(step_metrics)
+        statistics = stream.statistics()
     steps = tuple(metrics)
     return DemoResult(
         config=config,
@@ -367,6 +495,10 @@ async def run_demo(
         steps=steps,
         groups=len(steps) * config.groups_per_step,
         rollouts=len(steps) * config.groups_per_step * config.group_size,
-        filtered=filtered_before,
+        filtered=statistics.filtered,
         elapsed=trio.current_time() - start,
+        weight_updates=statistics.weight_updates,
+        restarted=statistics.restarted,
+        stale=statistics.stale,
+        mixed=statistics.mixed,
     )

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import click
-import numpy as np
 import trio
 import trio.testing
 from rich.console import Console, Group
@@ -20,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .._demo import DemoConfig, DemoResult, StepMetrics, run_demo
+from ..inference import WeightUpdateMode
 from ._common import (
     end_live,
     out_option,
@@ -54,7 +54,9 @@ class _DemoDisplay:
         self.live = Live(Group(self.progress), console=console, refresh_per_second=8)
 
     def on_start(self, initial_accuracy: float) -> None:
-        self.console.print("step    reward  accuracy  groups/s  filtered  staleness (max)")
+        self.console.print(
+            "step    reward  accuracy  groups/s  filtered  staleness (max)  paused (ms)"
+        )
         self.console.print(f"   0         -  {initial_accuracy:8.3f}")
 
     def on_step(self, m: StepMetrics) -> None:
@@ -68,8 +70,14 @@ class _DemoDisplay:
             rate = f"{speed:8.1f}" if math.isfinite(speed) else "     inf"
             self.console.print(
                 f"{m.step:4d}    {m.mean_reward:6.3f}  {m.accuracy:8.3f}  {rate}  "
-                f"{m.filtered:8d}  {m.staleness_mean:5.2f} ({m.staleness_max})"
+                f"{m.filtered:8d}  {m.staleness_mean:11.2f} ({m.staleness_max})  "
+                f"{m.update_seconds * 1000:11.1f}"
             )
+
+
+#: What each mode does to the calls in flight when an update begins (``update.held``;
+#: drain cancels only those that the staleness bound makes too old).
+_HELD = {"drain": "cancelled", "restart": "cancelled", "keep": "held", "abort": "aborted"}
 
 
 def _demo_summary(result: DemoResult, wall: float, clock: str) -> Table:
@@ -84,13 +92,26 @@ def _demo_summary(result: DemoResult, wall: float, clock: str) -> Table:
     table.add_row("steps (policy epochs)", f"{len(steps)}")
     table.add_row("groups / rollouts trained on", f"{result.groups} / {result.rollouts}")
     table.add_row("filtered groups (regenerated)", f"{result.filtered}")
+    config = result.config
+    bound = "none" if config.max_staleness is None else f"{config.max_staleness}"
     table.add_row(
         "staleness mean / max",
-        f"{np.mean([m.staleness_mean for m in steps]):.2f} / "
-        f"{max(m.staleness_max for m in steps)} policy epochs",
+        f"{result.staleness_mean:.2f} / {result.staleness_max} policy epochs (bound: {bound})",
     )
+    held = f"{result.held} calls {_HELD[config.update_mode]}"
+    if config.max_staleness is not None and config.update_mode in ("keep", "abort"):
+        held += " or cancelled"
+    table.add_row(
+        "weight updates (mode)", f"{result.weight_updates} ({config.update_mode}), {held}"
+    )
+    table.add_row("regenerated: stale / restarted", f"{result.stale} / {result.restarted}")
     table.add_row("rollouts spanning an update", f"{sum(m.mixed_epoch for m in steps)}")
     kind = "simulated" if clock == "virtual" else "real"
+    share = result.paused_seconds / clock_seconds if clock_seconds > 0 else 0.0
+    table.add_row(
+        "time paused for updates",
+        f"{result.paused_seconds:.2f} s {kind}, {share:.1%} of the run",
+    )
     rate = result.groups / clock_seconds if clock_seconds > 0 else math.inf
     table.add_row("throughput", f"{rate:.1f} groups/s ({kind} clock)")
     table.add_row("time", f"{clock_seconds:.1f} s {kind}, {wall:.1f} s wall")
@@ -199,6 +220,24 @@ def _plot(matplotlib: Any, result: DemoResult, path: Path) -> None:
     help="virtual: simulated latency costs no real time and a seed fixes every number; "
     "real: generation waits for real (about 15 s), results vary slightly run to run.",
 )
+@click.option(
+    "--update-mode",
+    type=click.Choice(["drain", "restart", "keep", "abort"]),
+    default="keep",
+    show_default=True,
+    help="How each step's weight update (stream.weight_update) treats the calls in "
+    "flight: keep holds them and continues them under the new weights; abort stops them "
+    "and continues them from their partial output; drain lets them finish under the old "
+    "weights first; restart cancels them and generates their groups again.",
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(min=0),
+    default=None,
+    show_default="no bound but --lag",
+    help="Regenerate any group that would reach the trainer more than this many policy "
+    "epochs after the epoch it started under (0: on-policy only).",
+)
 @out_option("Write every group the trainer took to this JSON-lines file.", required=False)
 @overwrite_option
 @click.option(
@@ -218,6 +257,8 @@ def demo(
     learning_rate: float,
     filter_groups: bool,
     clock: str,
+    update_mode: WeightUpdateMode,
+    max_staleness: int | None,
     out: Path | None,
     overwrite: bool,
     plot: Path | None,
@@ -226,9 +267,10 @@ def demo(
 
     The policy is a numpy table of logits over candidate answers per problem, served by
     the embedded inference backend; rollouts stream from the grouped pipeline with
-    bounded lag while the trainer computes GRPO advantages, takes a policy-gradient
-    step and publishes a new policy epoch. Accuracy is the policy's expected accuracy
-    over all problems; it starts near chance (1/8).
+    bounded lag while the trainer computes GRPO advantages and applies a policy-gradient
+    step inside a weight update of the stream (--update-mode), which pauses generation
+    and publishes a new policy epoch. Accuracy is the policy's expected accuracy over all
+    problems; it starts near chance (1/8).
     """
     matplotlib = _require_matplotlib() if plot is not None else None
     if groups_per_step * lag > num_problems:
@@ -248,6 +290,8 @@ def demo(
         num_problems=num_problems,
         learning_rate=learning_rate,
         filter_groups=filter_groups,
+        update_mode=update_mode,
+        max_staleness=max_staleness,
     )
     console = stderr_console()
     display = _DemoDisplay(console, steps, max(1, steps // 12), clock)
