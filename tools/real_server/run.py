@@ -271,6 +271,54 @@ def check_library(base_url: str, model: str, work: Path) -> None:
     print(f"library: 4 groups streamed + 4 through the sync bridge, {kinds}; JSON round trip")
 
 
+async def weight_updates(base_url: str, model: str) -> str:
+    """drain and restart updates (all a plain server supports) with a staleness bound,
+    the agent drawing from a PromptSource; keep is refused before anything pauses."""
+    problems = [tr.Problem(**row) for row in PROBLEMS]
+    source = tr.PromptSource(problems, seed=0)
+
+    class Drawing(tr.RewardOnlyAgent):
+        async def get_reward(self, problem: tr.Problem, response: tr.InferenceResponse) -> float:
+            return float(str(problem.answer) in response.response.content)
+
+    agent = Drawing(prompts=source, env_id="arithmetic", parallel_generation_tasks=4)
+    request = library_request(base_url, model)
+    request.max_staleness = 1
+    taken: list[tr.RolloutGroup] = []
+    with trio.fail_after(STEP_TIMEOUT):
+        async with agent.get_grouped_rollouts(request) as stream:
+            for mode in ("drain", "restart", "drain"):
+                taken += [await stream.receive(), await stream.receive()]
+                async with stream.weight_update(mode) as update:  # type: ignore[arg-type]
+                    check(stream.statistics().in_flight == 0, f"{mode}: a call in flight")
+                check(stream.policy_epoch == update.epoch, "the epoch did not move")
+                taken.append(await stream.receive())
+                check(
+                    stream.policy_epoch - taken[-1].start_epoch <= 1,
+                    f"a group older than the bound: {taken[-1].start_epoch}",
+                )
+            try:
+                async with stream.weight_update("keep"):
+                    check(False, "keep on a plain server must be refused")
+            except TypeError as error:
+                check("server='vllm'" in str(error), f"the error gives no hint: {error}")
+            stats = stream.statistics()
+    check(stats.unaccounted == 0, f"the ledger does not add up: {stats}")
+    check(stats.weight_updates == 3, f"{stats.weight_updates} updates, not 3")
+    state = source.state_dict()
+    check(json.loads(json.dumps(state)) == state, "the PromptSource state is not plain data")
+    # Every draw is done (its group taken) or pending (given back at close): the source
+    # counts exactly the groups taken as done.
+    drawn = state["epoch"] * len(problems) + state["position"]
+    done = drawn - len(state["pending"])
+    check(done == len(taken), f"{done} draws done, {len(taken)} groups taken")
+    return (
+        f"3 updates (drain, restart, drain), epoch {stats.policy_epoch}, "
+        f"{stats.restarted} restarted, {stats.stale} stale; keep refused; "
+        f"{done} draws done = groups taken, {len(state['pending'])} pending"
+    )
+
+
 def check_strict_token_ids(base_url: str, model: str) -> None:
     """``return_token_ids=True`` stays strict: a server that refuses the field is an
     error that names the field, not a silent downgrade."""
@@ -320,6 +368,7 @@ def main(work: Path) -> None:
         mark = time.monotonic()
         check_library(base_url, model, work)
         check_strict_token_ids(base_url, model)
+        print("weight updates:", trio.run(weight_updates, base_url, model))
         timings["library"] = time.monotonic() - mark
 
     timings["total"] = time.monotonic() - started
