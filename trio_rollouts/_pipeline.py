@@ -510,8 +510,14 @@ class _Pipeline:
         """A consumer that settles draws itself (``done_on_take`` false: the sync
         bridge) handed ``group`` over: its prompt draws are done. Thread-safe: one
         atomic pop."""
+        self.settle_slot(group.batch_id, group.index_in_batch)
+
+    def settle_slot(self, batch_id: int, index: int) -> None:
+        """The group taken from slot ``(batch_id, index)`` reached its consumer (a Ray
+        actor's driver): its prompt draws are done. Thread-safe; a slot settled twice
+        or unknown is ignored."""
         if self.tracking:
-            finish(self.group_draws.pop((group.batch_id, group.index_in_batch), []))
+            finish(self.group_draws.pop((batch_id, index), []))
 
     def regenerate_stale(self, group: RolloutGroup) -> None:
         """A finished group that is too old to hand over: drop it and generate its slot

@@ -33,6 +33,29 @@ Invariants of the merge (each one is a test):
    actor refuses to begin an update that was already ended, so a begin that Ray runs late
    (actor threads run calls in any order) never leaves an actor paused.
 
+6. Prompts, exactly once (DESIGN.md, "Resumable runs"): each actor's agent owns a
+   disjoint shard of the run's :class:`~trio_rollouts.PromptSource`, built in the actor
+   by an agent factory::
+
+       source = PromptSource(problems, seed=0)
+       agent = lambda i: MyAgent(prompts=source.shard(i, num_actors))
+
+   (a ``prompts`` source pickled to several actors as it is would be drawn by each of
+   them: ``ValueError``, as are two actors whose shards have the same problems). A group
+   handed to the merge may wait in its prefetch and be lost at a crash, so an actor's
+   pipeline does not count a draw done when it serves the group (``done_on_take`` is
+   off): the merge tells each actor which of its groups it handed to the consumer
+   (``receive``, ``try_next``, ``drain``, iteration; with the sync twin, when a group is
+   returned to the caller), by their slot in the actor, in one ``settle`` call sent
+   before its next ``serve`` and before any state is fetched; only for actors whose
+   agent draws prompts. :meth:`RayRolloutStream.prompts_state_dict` settles, then
+   merges every actor's ``agent.prompts.state_dict()`` with
+   :meth:`~trio_rollouts.PromptSource.merge_state_dicts`; ``prompts_state=`` of
+   :func:`open_ray_rollouts` loads shard ``i`` of such a state into actor ``i``'s
+   ``agent.prompts`` before its pipeline opens. Groups in the prefetch that were never
+   handed out are not settled: the actors' pipelines give their draws back when they
+   stop, and a state fetched meanwhile counts them as not done.
+
 Ray's ``ObjectRef`` is awaitable in asyncio, not in Trio, so every wait for a reply is a
 ``ray.get`` in a worker thread that Trio abandons on cancellation (the reply, if it ever
 comes, is dropped; the actor is stopped and killed at exit in any case).
@@ -70,7 +93,8 @@ from ._blocking import (
 )
 from ._concurrency import flatten_exception_groups
 from ._models import GroupedRolloutRequest, RolloutGroup
-from ._pipeline import check_grouped_request
+from ._pipeline import _Pipeline, check_grouped_request
+from ._prompts import PromptSource
 from ._stream import EnvironmentStatistics, RolloutStream, RolloutStreamStatistics, drain_ready
 from ._weight_update import WeightUpdate, checked_epoch, checked_mode
 from .inference import InferenceInterface, WeightUpdateMode
@@ -96,8 +120,9 @@ AgentSource = GroupedRolloutGenerator | Callable[[int], GroupedRolloutGenerator]
 RequestSource = GroupedRolloutRequest | Callable[[int], GroupedRolloutRequest]
 
 #: Concurrent calls an actor must serve: a take, the watcher, a statistics poll, a weight
-#: update's begin and its end (which can give up a begin still waiting), and stop.
-ACTOR_CONCURRENCY = 6
+#: update's begin and its end (which can give up a begin still waiting), a prompt settle
+#: or state fetch (quick: they never wait for the pipeline), and stop.
+ACTOR_CONCURRENCY = 7
 #: Ray colours the remote traceback it puts in an error message.
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 #: The sequence number of an actor's final counters (returned by stop): newer than any.
@@ -151,6 +176,13 @@ class RolloutActorInfo:
     enforce_order: bool
     #: The policy epoch of the actor's stream when its pipeline opened.
     policy_epoch: int = 0
+    #: Whether the actor's agent draws prompts and the caller settles them (see
+    #: :meth:`RolloutActor.settle`): only then does the merge settle the groups it hands
+    #: out.
+    tracks_prompts: bool = False
+    #: The ``ids_sha256`` of the agent's ``prompts`` source (``None``: the agent has no
+    #: ``prompts``): two actors drawing the same problems are refused.
+    prompts_fingerprint: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -177,6 +209,17 @@ def _build_request(source: RequestSource, index: int) -> GroupedRolloutRequest:
     return _checked_product(source(index), GroupedRolloutRequest, "request")
 
 
+def _prompts_of(agent: GroupedRolloutGenerator | None, index: int, what: str) -> PromptSource:
+    prompts = getattr(agent, "prompts", None)
+    if not isinstance(prompts, PromptSource):
+        msg = (
+            f"rollout actor {index}: {what} needs the actor's agent to have a PromptSource "
+            f"in its prompts field, got {type(prompts).__name__}"
+        )
+        raise TypeError(msg)
+    return prompts
+
+
 def _checked_product(built: T, cls: type, what: str) -> T:
     if not isinstance(built, cls):
         msg = f"the {what} factory must return a {cls.__name__}, got {type(built).__name__}"
@@ -190,15 +233,15 @@ class RolloutActor:
 
     :func:`open_ray_rollouts` creates and drives these actors; use the class directly only
     to drive actors yourself. It is a plain class: make it an actor with
-    ``ray.remote(RolloutActor).options(max_concurrency=6)`` (its methods block, so
+    ``ray.remote(RolloutActor).options(max_concurrency=7)`` (its methods block, so
     :meth:`stop`, :meth:`statistics` and a weight update need threads of their own while
     a :meth:`take` waits). ``agent`` and ``request`` are the objects themselves (pickled to
     the actor) or functions that build them in the actor, called with ``index``.
 
     Methods (each one blocks the calling thread of the actor, never the pipeline):
     :meth:`start`, :meth:`take`, :meth:`drain`, :meth:`serve`, :meth:`statistics`,
-    :meth:`begin_weight_update`, :meth:`end_weight_update`, :meth:`wait_stopped`,
-    :meth:`stop`.
+    :meth:`settle`, :meth:`prompts_state`, :meth:`begin_weight_update`,
+    :meth:`end_weight_update`, :meth:`wait_stopped`, :meth:`stop`.
     """
 
     def __init__(self, agent: AgentSource, request: RequestSource, index: int = 0) -> None:
@@ -208,6 +251,10 @@ class RolloutActor:
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stream: RolloutStream | None = None
+        self._agent: GroupedRolloutGenerator | None = None
+        # The open pipeline, when its agent draws prompts and the caller settles them.
+        self._settled_pipeline: _Pipeline | None = None
+        self._caller_settles = False
         self._stop_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None  # holds weight updates open
         self._stop_requested = False
@@ -226,8 +273,18 @@ class RolloutActor:
 
     # ---------------------------------------------------------------- the Trio thread
 
-    def start(self) -> RolloutActorInfo:
+    def start(
+        self, prompts_state: dict[str, Any] | None = None, caller_settles: bool = False
+    ) -> RolloutActorInfo:
         """Build the agent and request, check them, and open the pipeline.
+
+        ``prompts_state``: a :meth:`~trio_rollouts.PromptSource.state_dict` to load into
+        the agent's ``prompts`` before the pipeline opens (``TypeError`` if the agent has
+        no ``prompts``; what ``load_state_dict`` raises for a state of another source).
+        ``caller_settles``: a group's prompt draw is not done when :meth:`serve` returns
+        the group, but when the caller says so with :meth:`settle` (the merge does: a
+        group it holds is not handed to the consumer yet); groups never settled are given
+        back when the pipeline stops.
 
         Raises what the checks raise (``ValueError``, ``TypeError``) or what opening the
         pipeline raises; returns where the actor runs once its pipeline is open.
@@ -238,6 +295,10 @@ class RolloutActor:
         agent = _build_agent(self._agent_source, self._index)
         request = _build_request(self._request_source, self._index)
         pipeline = agent.get_grouped_rollouts(request)  # checks raise here
+        if prompts_state is not None:
+            _prompts_of(agent, self._index, "prompts_state").load_state_dict(prompts_state)
+        self._agent = agent
+        self._caller_settles = caller_settles
         self._streaming = request.streaming
         self._num_groups = request.num_groups
         self._thread = threading.Thread(
@@ -249,6 +310,7 @@ class RolloutActor:
         self._thread.start()
         self._opened.wait()
         self._raise_failure()
+        prompts = getattr(agent, "prompts", None)
         context = ray.get_runtime_context()
         return RolloutActorInfo(
             index=self._index,
@@ -259,6 +321,12 @@ class RolloutActor:
             streaming=request.streaming,
             enforce_order=request.enforce_order,
             policy_epoch=cast(RolloutStream, self._stream).policy_epoch,
+            tracks_prompts=self._settled_pipeline is not None,
+            prompts_fingerprint=(
+                str(prompts._fingerprint()["ids_sha256"])
+                if isinstance(prompts, PromptSource)
+                else None
+            ),
         )
 
     def _run_trio(self, pipeline: contextlib.AbstractAsyncContextManager[RolloutStream]) -> None:
@@ -268,6 +336,13 @@ class RolloutActor:
             self._token = trio.lowlevel.current_trio_token()
             async with pipeline as stream:
                 self._stream = stream
+                if self._caller_settles and isinstance(stream, RolloutStream):
+                    core = stream._pipeline
+                    if core.tracking:
+                        # A group served to the merge may wait there, and be lost at a
+                        # crash: its draw is done when settle() says it was handed on.
+                        core.done_on_take = False
+                        self._settled_pipeline = core
                 # Weight updates are held open by tasks of this nursery: cancelling it
                 # (stop) ends them under the old epoch before the pipeline closes.
                 with flatten_exception_groups():
@@ -368,6 +443,32 @@ class RolloutActor:
     def statistics(self) -> RolloutStreamStatistics:
         """A snapshot of the pipeline's counters."""
         return self.serve(0).statistics
+
+    def settle(self, slots: list[tuple[int, int]]) -> None:
+        """The groups served from these slots (``(batch_id, index_in_batch)`` as
+        :meth:`serve` returned them) were handed to the consumer: their prompt draws are
+        done. Only with ``start(caller_settles=True)`` and an agent that draws prompts
+        (otherwise a no-op); a slot settled twice, or unknown, is ignored.
+
+        Never enters the Trio thread: ``_Pipeline.settle_slot`` is thread-safe (one
+        atomic pop of the pipeline's record of the group's draws, then the thread-safe
+        source's books).
+        """
+        core = self._settled_pipeline
+        if core is None:
+            return
+        for batch_id, index in slots:
+            core.settle_slot(batch_id, index)
+
+    def prompts_state(self, slots: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+        """:meth:`settle` ``slots``, then return the agent's ``prompts.state_dict()``
+        (``TypeError`` if the agent has no ``prompts``). Never enters the Trio thread."""
+        if self._agent is None:
+            msg = f"rollout actor {self._index}: start() has not built the agent yet"
+            raise RuntimeError(msg)
+        prompts = _prompts_of(self._agent, self._index, "prompts_state()")
+        self.settle(slots or [])
+        return prompts.state_dict()
 
     def begin_weight_update(self, number: int, mode: WeightUpdateMode, epoch: int) -> WeightUpdate:
         """Begin weight update ``number``: enter the stream's ``weight_update(mode,
@@ -590,6 +691,14 @@ class _Lane:
         self.snapshot = _zero_statistics()
         self.sequence = -1
         self.wanted = trio.lowlevel.ParkingLot()  # the feeder waits here for room
+        # Prompt books (invariant 6), only when the actor's agent draws prompts: the
+        # actor's own slot of each group received and not handed out, by its merged
+        # slot; slots handed out and not sent yet (a deque: the sync twin's caller
+        # thread appends); settle calls sent and not known to have run.
+        self.tracks = False
+        self.unhanded: dict[tuple[int, int], tuple[int, int]] = {}
+        self.to_settle: collections.deque[tuple[int, int]] = collections.deque()
+        self.settling: list[Any] = []
 
     @property
     def actor_id(self) -> str:
@@ -603,6 +712,32 @@ class _Lane:
     def describe(self) -> str:
         where = "" if self.info is None else f", pid {self.info.pid}"
         return f"rollout actor {self.index} of {self.num_actors} (actor_id={self.actor_id}{where})"
+
+    def handed(self, group: RolloutGroup) -> None:
+        """``group`` reached the consumer: settle its slot in the actor (lazily). Safe
+        from the sync twin's caller thread: one atomic pop, one atomic append."""
+        slot = self.unhanded.pop((group.batch_id, group.index_in_batch), None)
+        if slot is not None:
+            self.to_settle.append(slot)
+
+    def take_to_settle(self) -> list[tuple[int, int]]:
+        slots: list[tuple[int, int]] = []
+        with contextlib.suppress(IndexError):
+            while self.to_settle:
+                slots.append(self.to_settle.popleft())
+        return slots
+
+    def flush_settles(self) -> None:
+        """Send the slots handed out since the last call, in one ``settle`` call that is
+        not waited for (its reference is kept for :meth:`RayRolloutStream.prompts_state_dict`
+        to wait on). Trio thread; never blocks."""
+        if not self.to_settle:
+            return
+        self.settling.append(self.handle.settle.remote(self.take_to_settle()))
+        if len(self.settling) > 16:  # forget the calls that have run
+            _, self.settling = ray.wait(
+                self.settling, num_returns=len(self.settling), timeout=0, fetch_local=False
+            )
 
     def update_snapshot(self, statistics: RolloutStreamStatistics, sequence: int) -> None:
         if sequence > self.sequence:
@@ -685,6 +820,8 @@ class RayRolloutStream:
     _weight_updates: int
     _updating: bool
     _update_number: int
+    _prompts_states: list[dict[str, Any]] | None
+    _done_on_take: bool
 
     def __init__(self) -> None:
         msg = "RayRolloutStream is created by open_ray_rollouts()"
@@ -700,6 +837,7 @@ class RayRolloutStream:
         actor_options: dict[str, Any],
         start_timeout: float,
         stop_timeout: float,
+        prompts_states: list[dict[str, Any]] | None = None,
     ) -> RayRolloutStream:
         self = object.__new__(cls)
         self._agent_source = agent
@@ -729,6 +867,10 @@ class RayRolloutStream:
         self._weight_updates = 0
         self._updating = False
         self._update_number = 0
+        self._prompts_states = prompts_states  # shard i is loaded into actor i
+        # A group's prompt draw is done when the merge hands it to the consumer; the sync
+        # twin turns this off and settles a group when it returns it to its caller.
+        self._done_on_take = True
         return self
 
     def __repr__(self) -> str:
@@ -774,9 +916,12 @@ class RayRolloutStream:
         await trio.to_thread.run_sync(self._create_actors, limiter=self._limiter)
         errors: list[BaseException] = []
 
+        states = self._prompts_states
+
         async def start(lane: _Lane, cancel_scope: trio.CancelScope) -> None:
+            state = None if states is None else states[lane.index]
             try:
-                lane.info = await self._ray_get(lane.handle.start.remote())
+                lane.info = await self._ray_get(lane.handle.start.remote(state, True))
             except Exception as exc:
                 errors.append(lane.translate(exc))
                 cancel_scope.cancel()  # one failed start fails them all: stop waiting
@@ -805,6 +950,21 @@ class RayRolloutStream:
             raise ValueError(msg)
         self._num_groups, self._streaming, self._enforce_order = shapes.pop()
         self._policy_epoch = max(info.policy_epoch for info in infos)
+        owners: dict[str, int] = {}
+        for info in infos:
+            if info.prompts_fingerprint is None:
+                continue
+            first = owners.setdefault(info.prompts_fingerprint, info.index)
+            if first != info.index:
+                msg = (
+                    f"rollout actors {first} and {info.index} draw from prompt sources with "
+                    "the same problems: each actor must own a disjoint shard; build the "
+                    "agent in each actor from a shard, agent=lambda i: "
+                    "MyAgent(prompts=source.shard(i, num_actors))"
+                )
+                raise ValueError(msg)
+        for lane, info in zip(self._lanes, infos, strict=True):
+            lane.tracks = info.tracks_prompts
 
     async def _stop_actors(self) -> BaseException | None:
         """Stop every pipeline (waiting up to stop_timeout), then kill every actor.
@@ -856,6 +1016,7 @@ class RayRolloutStream:
             while not self._has_room(lane):
                 await lane.wanted.park()
             lane.requested = True
+            lane.flush_settles()
             ref = lane.handle.serve.remote(self._num_groups, self._enforce_order)
             try:
                 reply: RolloutActorReply = await self._ray_get(ref)
@@ -868,8 +1029,15 @@ class RayRolloutStream:
 
     def _accept(self, lane: _Lane, reply: RolloutActorReply) -> None:
         lane.update_snapshot(reply.statistics, reply.sequence)
+        tracks = lane.tracks
         for group in reply.groups:
-            group.batch_id = group.batch_id * self._num_actors + lane.index
+            own = group.batch_id
+            group.batch_id = own * self._num_actors + lane.index
+            if tracks:
+                lane.unhanded[(group.batch_id, group.index_in_batch)] = (
+                    own,
+                    group.index_in_batch,
+                )
             if self._enforce_order:
                 lane.groups.append(group)
             else:
@@ -929,6 +1097,8 @@ class RayRolloutStream:
     def _take(self, lane: _Lane, group: RolloutGroup) -> RolloutGroup:
         lane.held -= 1
         lane.taken += 1
+        if lane.tracks and self._done_on_take:
+            lane.handed(group)
         if not lane.requested and self._has_room(lane):
             lane.wanted.unpark_all()
         return group
@@ -990,6 +1160,78 @@ class RayRolloutStream:
         return attrs.evolve(
             merged, policy_epoch=self._policy_epoch, weight_updates=self._weight_updates
         )
+
+    # ---------------------------------------------------------------- prompts
+
+    def _settle_handed(self, group: RolloutGroup) -> None:
+        """The sync twin returned ``group`` to its caller (``_done_on_take`` off): its
+        prompt draw is done. Caller's thread: only an atomic pop and append."""
+        lanes = self._lanes
+        if lanes:
+            lane = lanes[group.batch_id % len(lanes)]
+            if lane.tracks:
+                lane.handed(group)
+
+    async def prompts_state_dict(self) -> dict[str, Any]:
+        """The state of the run's prompts, to checkpoint with the trainer:
+        :meth:`PromptSource.merge_state_dicts <trio_rollouts.PromptSource.merge_state_dicts>`
+        of every actor's ``agent.prompts.state_dict()``, by actor index. Give it back as
+        ``open_ray_rollouts(..., prompts_state=state)`` to go on from here.
+
+        Every group handed to the consumer so far (by :meth:`receive`, :meth:`try_next`,
+        :meth:`drain`, iteration) is done in it; groups still in the merge's prefetch, on
+        their way, or in the actors' pipelines are not (they are drawn first after a
+        restore). The actors settle the groups handed out first, and this waits for that.
+
+        Errors: ``TypeError`` if an actor's agent has no ``prompts`` (a
+        :class:`~trio_rollouts.PromptSource`), ``RuntimeError`` after the ``async with``
+        has exited, an actor that died is a :class:`RolloutActorDiedError`. The actors
+        answer from a thread of their own, without waiting for their pipelines.
+
+        Cancellation: the stream is unaffected; settles already sent still run.
+        """
+        if self._closed:
+            msg = "prompts_state_dict() on a stream whose async with has exited"
+            raise RuntimeError(msg)
+        missing = [
+            lane.index
+            for lane in self._lanes
+            if lane.info is None or lane.info.prompts_fingerprint is None
+        ]
+        if missing:
+            msg = (
+                f"prompts_state_dict() needs every actor's agent to have a PromptSource in "
+                f"its prompts field; actors {missing} have none"
+            )
+            raise TypeError(msg)
+        states: list[dict[str, Any]] = [{} for _ in self._lanes]
+        failures: list[BaseException] = []
+
+        async def fetch(lane: _Lane, cancel_scope: trio.CancelScope) -> None:
+            lane.flush_settles()
+            sent = list(lane.settling)
+            try:
+                if sent:
+                    await self._ray_get(sent)
+                slots = lane.take_to_settle()
+                ref = lane.handle.prompts_state.remote(slots)
+                if slots:
+                    lane.settling.append(ref)
+                states[lane.index] = await self._ray_get(ref)
+            except Exception as exc:
+                failures.append(lane.translate(exc))
+                cancel_scope.cancel()
+                return
+            ran = {*sent, ref}
+            lane.settling = [r for r in lane.settling if r not in ran]
+
+        with flatten_exception_groups():
+            async with trio.open_nursery() as nursery:
+                for lane in self._lanes:
+                    nursery.start_soon(fetch, lane, nursery.cancel_scope)
+        if failures:
+            raise failures[0]
+        return PromptSource.merge_state_dicts(states)
 
     # ---------------------------------------------------------------- weight updates
 
@@ -1118,6 +1360,7 @@ class RayRolloutStream:
 
         async def fetch(lane: _Lane) -> None:
             with contextlib.suppress(Exception):
+                lane.flush_settles()
                 reply = await self._ray_get(lane.handle.serve.remote(0))
                 lane.update_snapshot(reply.statistics, reply.sequence)
 
@@ -1223,8 +1466,8 @@ def _checked_actor_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(concurrency, int) or concurrency < ACTOR_CONCURRENCY:
         msg = (
             f"actor_options max_concurrency must be >= {ACTOR_CONCURRENCY} (a take, the "
-            "watcher, a statistics poll, a weight update's begin and end, and stop run at "
-            f"once), got {concurrency!r}"
+            "watcher, a statistics poll, a weight update's begin and end, a prompt settle "
+            f"and stop run at once), got {concurrency!r}"
         )
         raise ValueError(msg)
     if merged.get("max_restarts", 0) != 0:
@@ -1251,6 +1494,33 @@ def _check_sources(agent: object, request: object) -> None:
         raise TypeError(msg)
     if isinstance(agent, GroupedRolloutGenerator) and isinstance(request, GroupedRolloutRequest):
         check_grouped_request(agent, request)  # before any actor starts
+
+
+def _checked_prompts_states(
+    agent: object, num_actors: int, prompts_state: object
+) -> list[dict[str, Any]] | None:
+    """Invariant 6's checks, before any actor starts: an agent object that draws prompts
+    would be pickled to every actor with the same source; a state must have one shard per
+    actor. Returns the shard states, by actor index."""
+    if isinstance(agent, GroupedRolloutGenerator) and num_actors > 1 and agent._draws_prompts():
+        msg = (
+            f"the agent draws prompts and would be pickled to each of the {num_actors} "
+            "actors, every copy drawing the same problems; give each actor a disjoint "
+            "shard with an agent factory: agent=lambda i: "
+            "MyAgent(prompts=source.shard(i, num_actors))"
+        )
+        raise ValueError(msg)
+    if prompts_state is None:
+        return None
+    if not isinstance(prompts_state, dict):
+        msg = (
+            "prompts_state must be a dict from RayRolloutStream.prompts_state_dict(), got "
+            f"{type(prompts_state).__name__}"
+        )
+        raise TypeError(msg)
+    if isinstance(agent, GroupedRolloutGenerator):
+        _prompts_of(agent, 0, "prompts_state")
+    return PromptSource.split_state_dict(prompts_state, num_actors)
 
 
 @contextlib.asynccontextmanager
@@ -1290,6 +1560,7 @@ def open_ray_rollouts(
     actor_options: Mapping[str, Any] | None = None,
     start_timeout: float = 120.0,
     stop_timeout: float = 10.0,
+    prompts_state: dict[str, Any] | None = None,
 ) -> contextlib.AbstractAsyncContextManager[RayRolloutStream]:
     """Run ``agent``'s grouped pipeline in ``num_actors`` Ray actors and merge their groups;
     use as ``async with ... as stream``.
@@ -1302,7 +1573,8 @@ def open_ray_rollouts(
 
     ``agent`` and ``request`` are pickled to every actor, or are functions that build them
     inside each actor, called with the actor's index (for what cannot be pickled, or to
-    give each actor its own seed or inference replica). Every actor runs the whole request:
+    give each actor its own seed or inference replica, or its own shard of the prompts).
+    Every actor runs the whole request:
     ``num_groups`` is per actor, so a non-streaming request yields ``num_actors`` batches.
     Given as objects, they are checked at once, before any actor starts (as
     :meth:`~trio_rollouts.GroupedRolloutGenerator.get_grouped_rollouts` checks); factories
@@ -1313,6 +1585,27 @@ def open_ray_rollouts(
     Ray is used as it is set up (``ray.init()`` first to choose a cluster). Ordering,
     ``batch_id`` numbering, run-ahead and failures: see docs/scaling.md and the
     invariants in the docstring of ``trio_rollouts._ray``.
+
+    Prompts, each taken exactly once across restarts (invariant 6 in the docstring of
+    ``trio_rollouts._ray``): give each actor a disjoint shard of the run's
+    :class:`~trio_rollouts.PromptSource` with an agent factory, checkpoint
+    :meth:`RayRolloutStream.prompts_state_dict` with the trainer, and restore it as
+    ``prompts_state``::
+
+        source = PromptSource(problems, seed=0)
+        agent = lambda i: MyAgent(prompts=source.shard(i, 4))
+        async with open_ray_rollouts(agent, request, num_actors=4,
+                                     prompts_state=checkpoint) as stream:
+            ...
+            checkpoint = await stream.prompts_state_dict()   # with the model's weights
+
+    Shard ``i`` of ``prompts_state`` (:meth:`~trio_rollouts.PromptSource.split_state_dict`)
+    is loaded into actor ``i``'s ``agent.prompts`` before its pipeline opens: a state of
+    another number of actors is a ``ValueError`` (at once), an actor whose agent has no
+    ``prompts`` a ``TypeError``, a shard of another source the ``ValueError`` of
+    :meth:`~trio_rollouts.PromptSource.load_state_dict`. An agent object that draws prompts
+    with ``num_actors > 1`` (each actor would get a copy of the same source), and two
+    actors whose sources have the same problems, are a ``ValueError``.
 
     Errors: an exception in any actor's ``group_rollout`` leaves the ``async with`` as that
     exception, with a note naming the actor; an actor that dies is a
@@ -1325,16 +1618,40 @@ def open_ray_rollouts(
     returns after that, and is shielded from cancellation while it waits. Cancelling
     ``__aenter__`` while the actors start kills the actors started so far.
     """
+    return _open(
+        _checked_stream(
+            agent,
+            request,
+            num_actors,
+            prefetch_batches,
+            actor_options,
+            start_timeout,
+            stop_timeout,
+            prompts_state,
+        )
+    )
+
+
+def _checked_stream(
+    agent: AgentSource,
+    request: RequestSource,
+    num_actors: int,
+    prefetch_batches: int,
+    actor_options: Mapping[str, Any] | None,
+    start_timeout: float,
+    stop_timeout: float,
+    prompts_state: dict[str, Any] | None,
+) -> RayRolloutStream:
     _check_sources(agent, request)
     _check_positive("num_actors", num_actors, integer=True)
     _check_positive("prefetch_batches", prefetch_batches, integer=True)
     _check_positive("start_timeout", start_timeout, integer=False)
     _check_positive("stop_timeout", stop_timeout, integer=False)
     options = _checked_actor_options(actor_options)
-    stream = RayRolloutStream._new(
-        agent, request, num_actors, prefetch_batches, options, start_timeout, stop_timeout
+    states = _checked_prompts_states(agent, num_actors, prompts_state)
+    return RayRolloutStream._new(
+        agent, request, num_actors, prefetch_batches, options, start_timeout, stop_timeout, states
     )
-    return _open(stream)
 
 
 # --------------------------------------------------------------------------- the sync twin
@@ -1360,7 +1677,7 @@ class BlockingRayRolloutStream(BlockingRolloutStream):
     :class:`~trio_rollouts.BlockingRolloutStream` (``take``, ``get``, ``try_next``,
     ``drain``, iteration, ``statistics``, ``policy_epoch``, and ``weight_update`` as a
     plain ``with``, which pauses every actor as :meth:`RayRolloutStream.weight_update`
-    does), plus :meth:`fetch_statistics` and the actors.
+    does), plus :meth:`fetch_statistics`, :meth:`prompts_state_dict` and the actors.
 
     Staleness: groups that a timed-out ``take()`` kept are not checked again after a
     weight update (as groups already in the merge are not; see
@@ -1374,6 +1691,20 @@ class BlockingRayRolloutStream(BlockingRolloutStream):
 
     def _merged(self) -> RayRolloutStream:
         return cast(RayRolloutStream, self._require_stream())
+
+    def _handed(self, group: RolloutGroup) -> RolloutGroup:
+        """``group`` is returned to the caller: its prompt draw is done (the merge is
+        told, and tells the actor before its next batch or any state fetch)."""
+        stream: object = self._opened
+        if isinstance(stream, RayRolloutStream) and not stream._done_on_take:
+            stream._settle_handed(group)
+        return group
+
+    def prompts_state_dict(self) -> dict[str, Any]:
+        """The state of the run's prompts (see :meth:`RayRolloutStream.prompts_state_dict`):
+        every group returned to the caller so far is done in it; groups kept by a
+        timed-out ``take()`` are not, nor groups not returned yet."""
+        return self._call(self._merged().prompts_state_dict)
 
     def statistics(self) -> RayRolloutStreamStatistics:
         """The actors' counters as of their latest replies (see
@@ -1414,6 +1745,7 @@ def blocking_ray_rollouts(
     actor_options: Mapping[str, Any] | None = None,
     start_timeout: float = 120.0,
     stop_timeout: float = 10.0,
+    prompts_state: dict[str, Any] | None = None,
 ) -> contextlib.AbstractContextManager[BlockingRayRolloutStream]:
     """:func:`open_ray_rollouts` for synchronous trainers, as
     :func:`~trio_rollouts.blocking_grouped_rollouts` is for one pipeline::
@@ -1426,14 +1758,22 @@ def blocking_ray_rollouts(
     actor has started. An actor's exception is raised in the caller's thread at its next
     call, and at the exit of the ``with`` at the latest. Leaving the block stops and kills
     every actor and joins the Trio thread.
+
+    Prompts: as for :func:`open_ray_rollouts` (a sharding agent factory,
+    ``prompts_state``, :meth:`BlockingRayRolloutStream.prompts_state_dict`), except that a
+    group's prompt is done when the group is returned to the caller (by ``get``,
+    ``take``, ``try_next``, ``drain`` or iteration), not when the bridge takes it from
+    the merge.
     """
-    open_stream = open_ray_rollouts(
+    stream = _checked_stream(
         agent,
         request,
-        num_actors=num_actors,
-        prefetch_batches=prefetch_batches,
-        actor_options=actor_options,
-        start_timeout=start_timeout,
-        stop_timeout=stop_timeout,
+        num_actors,
+        prefetch_batches,
+        actor_options,
+        start_timeout,
+        stop_timeout,
+        prompts_state,
     )
-    return _BlockingContext(BlockingRayRolloutStream(open_stream))
+    stream._done_on_take = False  # the bridge settles what it returns (_handed)
+    return _BlockingContext(BlockingRayRolloutStream(_open(stream)))
