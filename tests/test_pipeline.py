@@ -635,3 +635,20 @@ async def test_no_call_starts_once_shutdown_has_begun() -> None:
         await trio.testing.wait_all_tasks_blocked()
         calls_at_exit = a.calls
     assert a.calls == calls_at_exit
+
+
+async def test_receive_in_order_is_a_cancellation_point_with_a_group_ready(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def script(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        return rollouts([0.0, 1.0])
+
+    agent = ScriptedAgent(script=script, parallel_generation_tasks=2)
+    async with agent.get_grouped_rollouts(request(num_groups=2, enforce_order=True)) as stream:
+        first = await stream.receive()
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await stream.receive()  # batch 0's second group is ready: must still raise
+            pytest.fail("receive() did not raise Cancelled")
+        second = await stream.receive()  # nothing lost
+    assert (first.index_in_batch, second.index_in_batch) == (0, 1)

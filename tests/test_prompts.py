@@ -466,3 +466,37 @@ def test_a_run_killed_by_sigkill_and_restarted_takes_each_prompt_once(
     expected = sorted(f"p{i}" for i in range(num_problems) if f"p{i}" != "p2")
     for epoch in range(epochs):
         assert sorted(pid for e, pid in kept if e == epoch) == expected
+
+
+def test_given_back_draws_come_again_in_the_order_first_drawn() -> None:
+    """Whatever order calls give their problems back in (the order their tasks unwind,
+    which Trio varies), they are drawn again in the order a seed fixes."""
+    orders = set()
+    for back in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 3, 1, 0]):
+        source = PromptSource(problems(6), seed=4)
+        drawn = drawn_ids(source, 4)
+        for i in back:
+            source._give_back(0, drawn[i])
+        again = drawn_ids(source, 4)
+        assert again == drawn
+        orders.add(tuple(again))
+    assert len(orders) == 1
+
+
+async def test_the_arithmetic_environment_draws_from_its_prompts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from trio_rollouts.envs import ArithmeticEnvironment
+
+    env = ArithmeticEnvironment(num_problems=4, parallel_generation_tasks=2)
+    source = PromptSource(env.problems, shuffle=False)
+    env.prompts = source
+    request = tr.GroupedRolloutRequest(
+        num_groups=1,
+        rollouts_per_group=2,
+        inference_interface=tr.EmbeddedInference(seed=0),
+        streaming=True,
+    )
+    async with env.get_grouped_rollouts(request) as stream:
+        groups = [await stream.receive() for _ in range(4)]
+    assert sorted(g[0].problem_id for g in groups) == sorted(p.problem_id for p in env.problems)

@@ -19,7 +19,7 @@ inherit it):
 
 from __future__ import annotations
 
-import collections
+import bisect
 import hashlib
 import threading
 from collections.abc import Iterable, Sequence
@@ -89,10 +89,13 @@ class PromptSource:
         self._epoch = 0
         self._position = 0
         self._order = self._permutation(0)
-        # Draws given back, drawn again first (oldest first), and draws out (in flight,
-        # or groups not yet done), in the order they were drawn.
-        self._again: collections.deque[tuple[int, str]] = collections.deque()
+        # Draws given back, drawn again first, kept in the order they were first drawn
+        # ((epoch, rank in that epoch's permutation, id): whatever order the pipeline
+        # gave them back in, a seed fixes the order they come again); and draws out (in
+        # flight, or groups not yet done), in the order they were drawn.
+        self._again: list[tuple[int, int, str]] = []
         self._out: dict[tuple[int, str], None] = {}
+        self._ranks: dict[int, dict[str, int]] = {}
 
     def __repr__(self) -> str:
         with self._lock:
@@ -134,7 +137,7 @@ class PromptSource:
         """The ``(epoch, problem_id)`` draws not done yet: those to be drawn again first,
         then those out, oldest first."""
         with self._lock:
-            return [*self._again, *self._out]
+            return [*((epoch, pid) for epoch, _, pid in self._again), *self._out]
 
     # ---------------------------------------------------------------- drawing
 
@@ -154,7 +157,8 @@ class PromptSource:
         """
         with self._lock:
             if self._again:
-                key = self._again.popleft()
+                epoch, _, problem_id = self._again.pop(0)
+                key = (epoch, problem_id)
             else:
                 if self._position == len(self._order):
                     self._epoch += 1
@@ -178,7 +182,18 @@ class PromptSource:
             key = (epoch, problem_id)
             if key in self._out:
                 del self._out[key]
-                self._again.append(key)
+                bisect.insort(self._again, (epoch, self._rank(epoch, problem_id), problem_id))
+
+    def _rank(self, epoch: int, problem_id: str) -> int:
+        """Where ``problem_id`` comes in epoch ``epoch``'s permutation (lock held)."""
+        ranks = self._ranks.get(epoch)
+        if ranks is None:
+            if len(self._ranks) >= 4:  # draws given back are of recent epochs
+                del self._ranks[min(self._ranks)]
+            order = self._order if epoch == self._epoch else self._permutation(epoch)
+            ranks = {self._problems[i].problem_id: r for r, i in enumerate(order)}
+            self._ranks[epoch] = ranks
+        return ranks[problem_id]
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -204,7 +219,10 @@ class PromptSource:
                 "source": self._fingerprint(),
                 "epoch": self._epoch,
                 "position": self._position,
-                "pending": [[epoch, pid] for epoch, pid in (*self._again, *self._out)],
+                "pending": [
+                    *([epoch, pid] for epoch, _, pid in self._again),
+                    *([epoch, pid] for epoch, pid in self._out),
+                ],
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -271,7 +289,8 @@ class PromptSource:
             self._epoch = epoch
             self._position = position
             self._order = self._permutation(epoch)
-            self._again = collections.deque(again)
+            self._ranks = {}
+            self._again = sorted((e, self._rank(e, pid), pid) for e, pid in again)
             self._out = {}
 
     # ---------------------------------------------------------------- sharding

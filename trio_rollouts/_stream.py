@@ -314,8 +314,7 @@ class RolloutStream:
         """
         if not self._enforce_order:
             return self._take(await self._pull())
-        if not self._ready:
-            await trio.lowlevel.checkpoint_if_cancelled()
+        await trio.lowlevel.checkpoint_if_cancelled()
         while not self._ready:
             self._hold(await self._pull())
         return self._take(self._ready.popleft())

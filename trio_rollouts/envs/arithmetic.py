@@ -166,6 +166,10 @@ class ArithmeticEnvironment(RewardOnlyAgent):
     def _slot_generator(
         self, request: GroupedRolloutRequest
     ) -> Callable[[int, int], Awaitable[list[Rollout] | list[TokenRollout] | RolloutGroup]]:
+        if self.prompts is not None:
+            # Problems come from the source: one draw per call, in get_prompt.
+            group_rollout = self.group_rollout
+            return lambda batch_id, index_in_batch: group_rollout(request)
         # Attempts per slot, for the batches that may still be generating: at most
         # parallel_generation_tasks // num_groups batches are outstanding at once.
         window = max(1, self.parallel_generation_tasks // request.num_groups)
