@@ -14,14 +14,25 @@ boundaries, so the trainer measures how stale they are, and
 ``DemoConfig.max_staleness`` bounds it. On a virtual clock (trio's ``MockClock``) the
 simulated latency costs no real time and a seed fixes every number; on the real clock
 the loop is the same, but which weights a group is sampled with depends on timing.
+
+With ``DemoConfig.checkpoint_dir`` the run is resumable: the problems come from a
+:class:`~trio_rollouts.PromptSource` (seeded, shuffled epochs), and every
+``checkpoint_every`` steps (and at the last) the trainer saves, in one file replaced
+atomically, the policy's logits, the step, the stream's policy epoch, the source's state,
+the metrics so far and the settings; a run started on a directory holding a checkpoint
+goes on from it (see :func:`run_demo`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import json
 import math
+import os
 from collections.abc import Awaitable, Callable, Sequence
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, Any, Final
 
 import attrs
 import numpy as np
@@ -31,13 +42,24 @@ import trio
 from ._evaluation import Problem
 from ._models import ChatMessage, GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._prompt_file import write_groups
+from ._prompts import PromptSource
 from .envs.arithmetic import ArithmeticEnvironment
 from .inference import WEIGHT_UPDATE_MODES, EmbeddedInference, LatencyModel, WeightUpdateMode
 
-__all__ = ["AnswerTablePolicy", "DemoConfig", "DemoResult", "StepMetrics", "run_demo"]
+__all__ = [
+    "AnswerTablePolicy",
+    "DemoCheckpoint",
+    "DemoCheckpointMismatch",
+    "DemoConfig",
+    "DemoResult",
+    "StepMetrics",
+    "load_demo_checkpoint",
+    "run_demo",
+]
 
 _CANDIDATE_STREAM = 0x43414E44
 _DISPATCH_STREAM = 0x44495350
+_RESUME_STREAM = 0x52455355
 #: The longest delay between a call's start and its requests reaching the engine.
 _DISPATCH_SECONDS = 0.001
 #: Steps over which StepMetrics.groups_per_second is measured.
@@ -212,12 +234,21 @@ class _DemoEnvironment(ArithmeticEnvironment):
     problem (a regenerated slot draws its problem at random) started together would
     then swap samples. Delayed by distinct amounts, their requests arrive in an order
     that the seed fixes.
+
+    With ``prompts`` (a resumable run), each call draws its problem from the source
+    (:meth:`group_rollout`, after the delay, so the seed fixes the order of the draws
+    too) instead of taking its slot's problem.
     """
 
     def _slot_generator(
         self, request: GroupedRolloutRequest
     ) -> Callable[[int, int], Awaitable[list[Rollout] | list[TokenRollout] | RolloutGroup]]:
         generate = super()._slot_generator(request)
+        if self.prompts is not None:
+            # ArithmeticEnvironment's slot schedule never calls get_prompt, so it would
+            # never draw from the source: one group_rollout (one draw) per call instead.
+            group_rollout = self.group_rollout
+            generate = lambda batch_id, index_in_batch: group_rollout(request)  # noqa: E731
         # Calls per slot, for the batches that may still be generating (as the base
         # class counts attempts): each slot's calls run one after the other.
         window = max(1, self.parallel_generation_tasks // request.num_groups)
@@ -267,6 +298,10 @@ def _check_optional_count(instance: object, attribute: attrs.Attribute[Any], val
         raise ValueError(msg)
 
 
+def _to_optional_path(value: str | os.PathLike[str] | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
 @attrs.frozen(kw_only=True)
 class DemoConfig:
     """The demo's settings; the defaults learn from chance to above 0.9 accuracy.
@@ -287,6 +322,16 @@ class DemoConfig:
     ``max_staleness`` (``GroupedRolloutRequest.max_staleness``) regenerates any group
     that would reach the trainer more than that many policy epochs after the epoch it
     started under; ``0`` trains on-policy only. ``None``: no bound but ``lag``.
+
+    ``checkpoint_dir`` makes the run resumable (see :func:`run_demo`): the problems are
+    drawn from a :class:`~trio_rollouts.PromptSource` over the environment's problems
+    (seeded by ``seed``, so the run differs from one without a checkpoint directory),
+    and a checkpoint is saved there every ``checkpoint_every`` steps and at the last.
+    A run may resume a checkpoint written with other ``steps``, ``checkpoint_dir`` and
+    ``checkpoint_every``, never with other values of the other fields. On a virtual
+    clock a seed (and the step a run resumed from) still fixes every number, unless
+    calls in flight are cancelled (``"restart"``, or ``max_staleness``): the problems
+    they drew are drawn again in the order the calls unwind, which Trio varies.
     """
 
     seed: int = attrs.field(default=0, validator=_check_count(0))
@@ -305,6 +350,22 @@ class DemoConfig:
     )
     update_mode: WeightUpdateMode = attrs.field(default="keep", validator=_check_mode)
     max_staleness: int | None = attrs.field(default=None, validator=_check_optional_count)
+    checkpoint_dir: Path | None = attrs.field(default=None, converter=_to_optional_path)
+    checkpoint_every: int = attrs.field(default=5, validator=_check_count(1))
+
+
+#: DemoConfig fields a resumed run may change: how long it runs, and where and how often
+#: it saves checkpoints. Every other field must be the checkpoint's.
+_RUN_FIELDS: Final = frozenset({"steps", "checkpoint_dir", "checkpoint_every"})
+
+
+def _settings(config: DemoConfig) -> dict[str, Any]:
+    """The fields a checkpoint must share with the run that resumes it, as plain data."""
+    return {
+        name: value
+        for name, value in attrs.asdict(config, recurse=True).items()
+        if name not in _RUN_FIELDS
+    }
 
 
 @attrs.frozen(kw_only=True)
@@ -359,6 +420,11 @@ class DemoResult:
     equal rewards, updates done, calls cancelled by ``restart`` updates, calls and
     groups regenerated for ``max_staleness``, and groups that spanned an update on a
     backend that does not stamp epochs (0 here: the embedded backend stamps them).
+
+    A resumed run (``resumed_from``: the step of the checkpoint it went on from, else
+    ``None``) covers the whole run as its checkpoints count it: the steps and counters
+    up to the checkpoint, then this run's; what an interrupted run did after its last
+    checkpoint is not counted (it was thrown away, and done again).
     """
 
     config: DemoConfig
@@ -372,6 +438,7 @@ class DemoResult:
     restarted: int = 0
     stale: int = 0
     mixed: int = 0
+    resumed_from: int | None = None
 
     @property
     def final_accuracy(self) -> float:
@@ -403,11 +470,211 @@ class DemoResult:
         return math.fsum(m.update_seconds for m in self.steps)
 
 
+# --------------------------------------------------------------------------- checkpoints
+
+#: The format tag of a demo checkpoint.
+_CHECKPOINT_FORMAT: Final = "trio-rollouts.demo-checkpoint/1"
+#: The checkpoint's file in ``DemoConfig.checkpoint_dir``.
+CHECKPOINT_FILE: Final = "checkpoint.json"
+#: The stream counters a checkpoint carries over to the run that resumes it.
+_TOTALS: Final = ("filtered", "weight_updates", "restarted", "stale", "mixed")
+
+
+class DemoCheckpointMismatch(ValueError):
+    """A checkpoint written with other settings than the run that would resume it.
+
+    ``differences`` holds ``(field, value in the checkpoint, value in this run)`` for
+    each :class:`DemoConfig` field that differs, the values as JSON."""
+
+    def __init__(self, path: Path, differences: list[tuple[str, str, str]]) -> None:
+        self.path = path
+        self.differences = differences
+        shown = "; ".join(
+            f"{name} is {saved} in the checkpoint, {mine} in this run"
+            for name, saved, mine in differences
+        )
+        super().__init__(
+            f"{path} was written by a run with other settings: {shown}. Resume with the "
+            "same settings (only steps, checkpoint_dir and checkpoint_every may differ), "
+            "or use another checkpoint directory"
+        )
+
+
+def _show(value: object) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class DemoCheckpoint:
+    """A demo checkpoint, as :func:`load_demo_checkpoint` read it.
+
+    ``step``: the last step it holds; ``policy_epoch``: the stream's epoch after that
+    step's update; ``logits``: the policy's; ``prompts``: the
+    :meth:`PromptSource.state_dict` of the problems; ``history``: every step's metrics
+    so far; ``totals``: the stream's counters summed over the runs so far
+    (``filtered``, ``weight_updates``, ``restarted``, ``stale``, ``mixed``), and
+    ``elapsed``, the run's clock time so far.
+    """
+
+    path: Path
+    step: int
+    policy_epoch: int
+    initial_accuracy: float
+    logits: FloatArray
+    prompts: dict[str, Any]
+    history: tuple[StepMetrics, ...]
+    totals: dict[str, int]
+    elapsed: float
+    groups_per_step: int
+
+    @property
+    def groups(self) -> int:
+        """The groups trained on up to the checkpoint (the first ``groups`` lines of an
+        ``out`` file written by the runs that led to it)."""
+        return self.step * self.groups_per_step
+
+
+def _invalid(path: Path, what: str) -> ValueError:
+    return ValueError(f"{path} is not a valid demo checkpoint ({what}); remove it to start afresh")
+
+
+def _natural(data: dict[str, Any], key: str, path: Path, minimum: int = 0) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _invalid(path, f"{key} must be an int >= {minimum}, got {value!r:.80}")
+    return value
+
+
+def _number(data: dict[str, Any], key: str, path: Path) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _invalid(path, f"{key} must be a number, got {value!r:.80}")
+    return float(value)
+
+
+def load_demo_checkpoint(config: DemoConfig) -> DemoCheckpoint | None:
+    """The checkpoint in ``config.checkpoint_dir``, or ``None`` when there is none (or no
+    directory is set).
+
+    Raises :class:`DemoCheckpointMismatch` when it was written with other settings than
+    ``config`` (naming each field that differs), and ``ValueError`` when it is not a
+    demo checkpoint or is at a step past ``config.steps``.
+    """
+    if config.checkpoint_dir is None:
+        return None
+    path = config.checkpoint_dir / CHECKPOINT_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _invalid(path, f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != _CHECKPOINT_FORMAT:
+        raise _invalid(path, f"no format {_CHECKPOINT_FORMAT!r}")
+    saved = data.get("settings")
+    if not isinstance(saved, dict):
+        raise _invalid(path, "no settings")
+    mine = _settings(config)
+    missing = object()
+    differences = [
+        (
+            name,
+            "not set" if saved.get(name, missing) is missing else _show(saved[name]),
+            _show(value),
+        )
+        for name, value in mine.items()
+        if saved.get(name, missing) != value
+    ]
+    differences += [(name, _show(saved[name]), "not set") for name in saved if name not in mine]
+    if differences:
+        raise DemoCheckpointMismatch(path, differences)
+    step = _natural(data, "step", path, 1)
+    if step > config.steps:
+        msg = (
+            f"{path} holds step {step}, past this run's last step ({config.steps}); "
+            f"run {step} steps or more, or use another checkpoint directory"
+        )
+        raise ValueError(msg)
+    policy_epoch = _natural(data, "policy_epoch", path)
+    try:
+        logits = np.asarray(data.get("logits"), dtype=np.float64)
+    except (TypeError, ValueError):
+        raise _invalid(path, "logits must be a table of numbers") from None
+    shape = (config.num_problems, config.num_candidates)
+    if logits.shape != shape or not np.all(np.isfinite(logits)):
+        raise _invalid(path, f"logits must be {shape[0]} x {shape[1]} finite numbers")
+    prompts = data.get("prompts")
+    if not isinstance(prompts, dict):
+        raise _invalid(path, "no prompts state")
+    history_data = data.get("history")
+    fields = set(attrs.fields_dict(StepMetrics))
+    if (
+        not isinstance(history_data, list)
+        or len(history_data) != step
+        or not all(isinstance(m, dict) and set(m) == fields for m in history_data)
+    ):
+        raise _invalid(path, f"history must hold the metrics of steps 1 to {step}")
+    try:
+        history = tuple(StepMetrics(**m) for m in history_data)
+    except TypeError as exc:
+        raise _invalid(path, f"history: {exc}") from None
+    totals_data = data.get("totals")
+    if not isinstance(totals_data, dict):
+        raise _invalid(path, "no totals")
+    totals = {name: _natural(totals_data, name, path) for name in _TOTALS}
+    return DemoCheckpoint(
+        path=path,
+        step=step,
+        policy_epoch=policy_epoch,
+        initial_accuracy=_number(data, "initial_accuracy", path),
+        logits=logits,
+        prompts=prompts,
+        history=history,
+        totals=totals,
+        elapsed=_number(data, "elapsed", path),
+        groups_per_step=config.groups_per_step,
+    )
+
+
+@trio.lowlevel.enable_ki_protection
+def _save_checkpoint(directory: Path, data: dict[str, Any]) -> None:
+    """Write the checkpoint atomically: to a temporary file in ``directory``, synced, then
+    renamed over the old one, so that a crash at any instant leaves the old checkpoint
+    or the new one, whole. Ctrl-C is held off until it is written (Trio delivers it at
+    the next checkpoint). Not a (Trio) checkpoint."""
+    text = json.dumps(data, separators=(",", ":"))
+    # Named by the process (one writer per process), created as any file is (not 0600).
+    partial = directory / f".{CHECKPOINT_FILE}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, directory / CHECKPOINT_FILE)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+    # The rename itself survives a power cut once the directory is synced (POSIX).
+    with contextlib.suppress(OSError):
+        directory_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(directory_fd)
+        finally:
+            os.close(directory_fd)
+
+
+# --------------------------------------------------------------------------- run_demo
+
+
 async def run_demo(
     config: DemoConfig,
     *,
     on_start: Callable[[float], None] | None = None,
     on_step: Callable[[StepMetrics], None] | None = None,
+    on_resume: Callable[[DemoCheckpoint], None] | None = None,
     out: IO[str] | None = None,
 ) -> DemoResult:
     """Train the demo policy for ``config.steps`` steps; return the metrics.
@@ -417,9 +684,26 @@ async def run_demo(
     the trainer took, one whole JSON line each (:func:`~trio_rollouts.dump_jsonl`, with
     Ctrl-C held off mid-line).
 
+    Checkpoints (``config.checkpoint_dir``, created if missing): after every
+    ``checkpoint_every``-th step and the last, before ``on_step``, the trainer saves the
+    policy's logits, the step, the stream's policy epoch, the prompt source's state, the
+    metrics so far and the settings, all taken at one instant (the pipeline does not run
+    meanwhile) and written atomically. When the directory holds a checkpoint (see
+    :func:`load_demo_checkpoint`: it must have the same settings), the run restores all
+    of that, calls ``on_resume`` with it (after ``on_start``, with the accuracy before
+    the whole run's training), and trains from the next step to ``config.steps``: the
+    problems not done at the checkpoint first, the stream starting at the saved policy
+    epoch, the engine sampling with a seed of its own for the resumed part. ``out`` then
+    receives the groups of the new steps only. The result covers the whole run.
+
     Cancellation: cancelling it stops the pipeline (every generation in flight is
-    cancelled) and raises ``trio.Cancelled``; groups already written stay written.
+    cancelled) and raises ``trio.Cancelled``; groups already written stay written, and
+    so does the last checkpoint.
     """
+    checkpoint = load_demo_checkpoint(config)
+    directory = config.checkpoint_dir
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
     env = _DemoEnvironment(
         num_problems=config.num_problems,
         seed=config.seed,
@@ -427,7 +711,25 @@ async def run_demo(
         buffer_size=config.lag * config.groups_per_step,
     )
     policy = AnswerTablePolicy.initial(env.problems, config.num_candidates, config.seed)
-    interface = EmbeddedInference(seed=config.seed, policy=policy, latency=config.latency)
+    source = None if directory is None else PromptSource(env.problems, seed=config.seed)
+    env.prompts = source
+    engine_seed = config.seed
+    initial_accuracy = policy.accuracy()
+    history: tuple[StepMetrics, ...] = ()
+    totals = dict.fromkeys(_TOTALS, 0)
+    elapsed_before = 0.0
+    if checkpoint is not None and source is not None:  # a checkpoint needs a directory
+        source.load_state_dict(checkpoint.prompts)
+        policy.logits = checkpoint.logits.copy()
+        initial_accuracy = checkpoint.initial_accuracy
+        history = checkpoint.history
+        totals = dict(checkpoint.totals)
+        elapsed_before = checkpoint.elapsed
+        # A fresh engine would give each prompt's n-th request the same sample stream
+        # as at the start of the run: the resumed part samples from streams of its own.
+        sequence = np.random.SeedSequence([config.seed, _RESUME_STREAM, checkpoint.step])
+        engine_seed = int(sequence.generate_state(1)[0])
+    interface = EmbeddedInference(seed=engine_seed, policy=policy, latency=config.latency)
     request = GroupedRolloutRequest(
         num_groups=config.groups_per_step,
         rollouts_per_group=config.group_size,
@@ -436,58 +738,91 @@ async def run_demo(
         enforce_order=True,
         filter_groups_with_same_reward=config.filter_groups,
         max_staleness=config.max_staleness,
+        initial_epoch=None if checkpoint is None else checkpoint.policy_epoch,
     )
-    initial_accuracy = policy.accuracy()
     if on_start is not None:
         on_start(initial_accuracy)
-    metrics: list[StepMetrics] = []
+    if checkpoint is not None and on_resume is not None:
+        on_resume(checkpoint)
+    metrics: list[StepMetrics] = list(history)
     start = trio.current_time()
     # When the last few steps' groups arrived, for a throughput that does not jump
     # between a step that waited and one whose batch was already buffered.
     arrivals = collections.deque([start], maxlen=_RATE_WINDOW + 1)
     filtered_before = 0
-    async with env.get_grouped_rollouts(request) as stream:
-        for step in range(1, config.steps + 1):
-            groups = [await stream.receive() for _ in range(config.groups_per_step)]
-            now = trio.current_time()
-            arrivals.append(now)
-            window = now - arrivals[0]
-            epoch = stream.policy_epoch
-            rollouts = [rollout for group in groups for rollout in group]
-            staleness = [epoch - group.start_epoch for group in groups]
-            if out is not None:
-                write_groups(out, groups)
-            # Computing the update "takes" train_seconds; generation goes on meanwhile,
-            # with the old weights.
-            await trio.sleep(config.train_seconds)
-            entered = trio.current_time()
-            async with stream.weight_update(mode=config.update_mode) as update:
-                # Generation has stopped as the mode says: change the weights.
-                policy.grpo_step(groups, config.learning_rate, config.clip)
-            update_seconds = trio.current_time() - entered
-            filtered = stream.statistics().filtered
-            step_metrics = StepMetrics(
-                step=step,
-                epoch=update.epoch,
-                mean_reward=float(np.mean([group.rewards().mean() for group in groups])),
-                accuracy=policy.accuracy(),
-                groups_per_second=(len(arrivals) - 1) * len(groups) / window
-                if window > 0
-                else math.inf,
-                filtered=filtered - filtered_before,
-                staleness_mean=float(np.mean(staleness)),
-                staleness_max=max(staleness),
-                mixed_epoch=sum(len(r.policy_epoch[0]) > 1 for r in rollouts if r.policy_epoch),
-                held=update.held,
-                pause_seconds=update.pause_seconds,
-                update_seconds=update_seconds,
-                elapsed=now - start,
-            )
-            filtered_before = filtered
-            metrics.append(step_metrics)
-            if on_step is not None:
-                on_step(step_metrics)
-        statistics = stream.statistics()
+    counters = dict.fromkeys(_TOTALS, 0)
+    first_step = len(history) + 1
+    if first_step <= config.steps:
+        async with env.get_grouped_rollouts(request) as stream:
+            for step in range(first_step, config.steps + 1):
+                # With enforce_order, receive() does not check for cancellation when the
+                # batch is already held in order: check here, so that a cancelled run
+                # takes (and writes) no further batch.
+                await trio.lowlevel.checkpoint_if_cancelled()
+                groups = [await stream.receive() for _ in range(config.groups_per_step)]
+                now = trio.current_time()
+                arrivals.append(now)
+                window = now - arrivals[0]
+                epoch = stream.policy_epoch
+                rollouts = [rollout for group in groups for rollout in group]
+                staleness = [epoch - group.start_epoch for group in groups]
+                if out is not None:
+                    write_groups(out, groups)
+                # Computing the update "takes" train_seconds; generation goes on
+                # meanwhile, with the old weights.
+                await trio.sleep(config.train_seconds)
+                entered = trio.current_time()
+                async with stream.weight_update(mode=config.update_mode) as update:
+                    # Generation has stopped as the mode says: change the weights.
+                    policy.grpo_step(groups, config.learning_rate, config.clip)
+                update_seconds = trio.current_time() - entered
+                statistics = stream.statistics()
+                counters = {name: getattr(statistics, name) for name in _TOTALS}
+                step_metrics = StepMetrics(
+                    step=step,
+                    epoch=update.epoch,
+                    mean_reward=float(np.mean([group.rewards().mean() for group in groups])),
+                    accuracy=policy.accuracy(),
+                    groups_per_second=(len(arrivals) - 1) * len(groups) / window
+                    if window > 0
+                    else math.inf,
+                    filtered=statistics.filtered - filtered_before,
+                    staleness_mean=float(np.mean(staleness)),
+                    staleness_max=max(staleness),
+                    mixed_epoch=sum(len(r.policy_epoch[0]) > 1 for r in rollouts if r.policy_epoch),
+                    held=update.held,
+                    pause_seconds=update.pause_seconds,
+                    update_seconds=update_seconds,
+                    elapsed=elapsed_before + (now - start),
+                )
+                filtered_before = statistics.filtered
+                metrics.append(step_metrics)
+                if (
+                    directory is not None
+                    and source is not None
+                    and (step % config.checkpoint_every == 0 or step == config.steps)
+                ):
+                    # No await since the batch was taken and the update ended: the
+                    # source, the weights and the metrics are of the same instant.
+                    _save_checkpoint(
+                        directory,
+                        {
+                            "format": _CHECKPOINT_FORMAT,
+                            "step": step,
+                            "policy_epoch": stream.policy_epoch,
+                            "settings": _settings(config),
+                            "initial_accuracy": initial_accuracy,
+                            "logits": policy.logits.tolist(),
+                            "prompts": source.state_dict(),
+                            "history": [attrs.asdict(m) for m in metrics],
+                            "totals": {n: totals[n] + counters[n] for n in _TOTALS},
+                            "elapsed": elapsed_before + (trio.current_time() - start),
+                        },
+                    )
+                if on_step is not None:
+                    on_step(step_metrics)
+            statistics = stream.statistics()
+            counters = {name: getattr(statistics, name) for name in _TOTALS}
     steps = tuple(metrics)
     return DemoResult(
         config=config,
@@ -495,10 +830,11 @@ async def run_demo(
         steps=steps,
         groups=len(steps) * config.groups_per_step,
         rollouts=len(steps) * config.groups_per_step * config.group_size,
-        filtered=statistics.filtered,
-        elapsed=trio.current_time() - start,
-        weight_updates=statistics.weight_updates,
-        restarted=statistics.restarted,
-        stale=statistics.stale,
-        mixed=statistics.mixed,
+        filtered=totals["filtered"] + counters["filtered"],
+        elapsed=elapsed_before + (trio.current_time() - start),
+        weight_updates=totals["weight_updates"] + counters["weight_updates"],
+        restarted=totals["restarted"] + counters["restarted"],
+        stale=totals["stale"] + counters["stale"],
+        mixed=totals["mixed"] + counters["mixed"],
+        resumed_from=None if checkpoint is None else checkpoint.step,
     )

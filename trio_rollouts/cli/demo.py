@@ -1,6 +1,7 @@
 """``trio-rollouts demo``: an asynchronous GRPO loop that visibly learns, with no server
 and no GPU, and its live display (a progress bar, rows of the learning curve, a summary
-table, an optional plot)."""
+table, an optional plot). With ``--checkpoint DIR`` it saves checkpoints and, rerun on the
+same directory, goes on from the last one."""
 
 from __future__ import annotations
 
@@ -13,15 +14,25 @@ from typing import IO, Any
 import click
 import trio
 import trio.testing
+from click.core import ParameterSource
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .._demo import DemoConfig, DemoResult, StepMetrics, run_demo
+from .._demo import (
+    DemoCheckpoint,
+    DemoCheckpointMismatch,
+    DemoConfig,
+    DemoResult,
+    StepMetrics,
+    load_demo_checkpoint,
+    run_demo,
+)
 from ..inference import WeightUpdateMode
 from ._common import (
     end_live,
+    interrupted,
     out_option,
     overwrite_option,
     refuse_existing_out,
@@ -58,6 +69,13 @@ class _DemoDisplay:
             "step    reward  accuracy  groups/s  filtered  staleness (max)  paused (ms)"
         )
         self.console.print(f"   0         -  {initial_accuracy:8.3f}")
+
+    def on_resume(self, checkpoint: DemoCheckpoint) -> None:
+        self.progress.update(self.task, advance=checkpoint.step)
+        self.console.print(
+            f"resumed from step {checkpoint.step} (accuracy "
+            f"{checkpoint.history[-1].accuracy:.3f}), checkpoint {checkpoint.path}"
+        )
 
     def on_step(self, m: StepMetrics) -> None:
         self.progress.update(
@@ -116,7 +134,76 @@ def _demo_summary(result: DemoResult, wall: float, clock: str) -> Table:
     table.add_row("throughput", f"{rate:.1f} groups/s ({kind} clock)")
     table.add_row("time", f"{clock_seconds:.1f} s {kind}, {wall:.1f} s wall")
     table.add_row("seed", f"{result.config.seed}")
+    if config.checkpoint_dir is not None:
+        saved = f"every {config.checkpoint_every} steps to {config.checkpoint_dir}"
+        if result.resumed_from is not None:
+            saved = f"resumed from step {result.resumed_from}; {saved}"
+        table.add_row("checkpoint", saved)
     return table
+
+
+#: The flag of each DemoConfig field that the command sets.
+_FLAGS = {
+    "seed": "--seed",
+    "groups_per_step": "--groups",
+    "group_size": "--group-size",
+    "lag": "--lag",
+    "num_problems": "--problems",
+    "learning_rate": "--lr",
+    "filter_groups": "--filter/--no-filter",
+    "update_mode": "--update-mode",
+    "max_staleness": "--max-staleness",
+}
+
+
+def _load_checkpoint(config: DemoConfig) -> DemoCheckpoint | None:
+    """The checkpoint to resume, refused (naming the flags) when its settings differ."""
+    try:
+        return load_demo_checkpoint(config)
+    except DemoCheckpointMismatch as exc:
+        shown = "; ".join(
+            f"{_FLAGS.get(name, name)} is {saved} in the checkpoint, {mine} in this run"
+            for name, saved, mine in exc.differences
+        )
+        msg = (
+            f"{exc.path} was written by a run with other settings: {shown}. Rerun with "
+            "the same settings (--steps may differ) to resume it, or choose another "
+            "--checkpoint directory"
+        )
+        raise click.ClickException(msg) from None
+
+
+def _continue_out(out: Path, checkpoint: DemoCheckpoint) -> None:
+    """Keep the first ``checkpoint.groups`` lines of ``out`` (the groups trained on up to
+    the checkpoint) and drop the rest (groups whose training the interruption lost)."""
+    if not out.exists():
+        msg = (
+            f"{out} does not exist, but the checkpoint ({checkpoint.path}) is at step "
+            f"{checkpoint.step}: pass the --out of the run that wrote it, or --overwrite "
+            "to write only this run's groups"
+        )
+        raise click.UsageError(msg)
+    keep = checkpoint.groups
+    with open(out, "r+b") as file:
+        for _ in range(keep):
+            if not file.readline().endswith(b"\n"):
+                msg = (
+                    f"{out} holds fewer than the {keep} groups trained on up to the "
+                    f"checkpoint ({checkpoint.path}, step {checkpoint.step}): is it the "
+                    "--out of that run? Pass --overwrite to write only this run's groups"
+                )
+                raise click.ClickException(msg)
+        kept = file.tell()
+        rest = file.read()
+        # A torn last line (a crash mid-write) counts as a group dropped.
+        dropped = rest.count(b"\n") + (1 if rest and not rest.endswith(b"\n") else 0)
+        file.truncate(kept)
+    if dropped:
+        click.echo(
+            f"dropped the last {dropped} groups of {out}: trained on after the checkpoint "
+            f"of step {checkpoint.step}, they are done again",
+            err=True,
+        )
 
 
 def _require_matplotlib() -> Any:
@@ -238,7 +325,28 @@ def _plot(matplotlib: Any, result: DemoResult, path: Path) -> None:
     help="Regenerate any group that would reach the trainer more than this many policy "
     "epochs after the epoch it started under (0: on-policy only).",
 )
-@out_option("Write every group the trainer took to this JSON-lines file.", required=False)
+@click.option(
+    "--checkpoint",
+    "checkpoint_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Save a checkpoint (weights, prompt source, metrics) in this directory, created "
+    "if missing, every --checkpoint-every steps and at the end; when it holds one, go on "
+    "from it (same settings; --steps may be larger). Rerun the same command after Ctrl-C "
+    "or a crash to continue.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Steps between checkpoints (with --checkpoint).",
+)
+@out_option(
+    "Write every group the trainer took to this JSON-lines file (resuming a "
+    "--checkpoint, the file of the interrupted run is continued).",
+    required=False,
+)
 @overwrite_option
 @click.option(
     "--plot",
@@ -259,6 +367,8 @@ def demo(
     clock: str,
     update_mode: WeightUpdateMode,
     max_staleness: int | None,
+    checkpoint_dir: Path | None,
+    checkpoint_every: int,
     out: Path | None,
     overwrite: bool,
     plot: Path | None,
@@ -271,6 +381,9 @@ def demo(
     step inside a weight update of the stream (--update-mode), which pauses generation
     and publishes a new policy epoch. Accuracy is the policy's expected accuracy over all
     problems; it starts near chance (1/8).
+
+    With --checkpoint DIR the run is resumable: interrupted (Ctrl-C, a crash), the same
+    command goes on from the last checkpoint, and --out is continued.
     """
     matplotlib = _require_matplotlib() if plot is not None else None
     if groups_per_step * lag > num_problems:
@@ -279,8 +392,10 @@ def demo(
             "groups generated at the same time would share problems; raise --problems"
         )
         raise click.UsageError(msg)
-    if out is not None and not overwrite:
-        refuse_existing_out(out, resumable=False)
+    every_source = click.get_current_context().get_parameter_source("checkpoint_every")
+    if checkpoint_dir is None and every_source is not ParameterSource.DEFAULT:
+        msg = "--checkpoint-every needs --checkpoint DIR"
+        raise click.UsageError(msg)
     config = DemoConfig(
         seed=seed,
         steps=steps,
@@ -292,34 +407,67 @@ def demo(
         filter_groups=filter_groups,
         update_mode=update_mode,
         max_staleness=max_staleness,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
     )
+    checkpoint = None
+    if checkpoint_dir is not None:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = _load_checkpoint(config)
+    # Resuming, the groups of --out up to the checkpoint are kept and the run appends.
+    appending = out is not None and checkpoint is not None and not overwrite
+    if out is not None and not overwrite:
+        if checkpoint is None:
+            refuse_existing_out(out, resumable=False)
+        else:
+            _continue_out(out, checkpoint)
     console = stderr_console()
     display = _DemoDisplay(console, steps, max(1, steps // 12), clock)
     out_file: IO[str] | None = None
     start = time.perf_counter()
     try:
-        if out is not None:
-            out_file = open(out, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-        with display.live:
-            result = run(
-                _demo_main,
-                config,
-                display,
-                out_file,
-                clock=trio.testing.MockClock(autojump_threshold=0) if clock == "virtual" else None,
-            )
-    finally:
-        if out_file is not None:
-            out_file.close()
-        end_live(console)
+        try:
+            if out is not None:
+                mode = "a" if appending else "w"
+                out_file = open(out, mode, encoding="utf-8")  # noqa: SIM115 - closed below
+            with display.live:
+                result = run(
+                    _demo_main,
+                    config,
+                    display,
+                    out_file,
+                    clock=trio.testing.MockClock(autojump_threshold=0)
+                    if clock == "virtual"
+                    else None,
+                )
+        finally:
+            if out_file is not None:
+                out_file.close()
+            end_live(console)
+    except KeyboardInterrupt as exc:
+        if checkpoint_dir is None:
+            raise
+        message = (
+            "Interrupted. Run the same command again to go on from the last checkpoint "
+            f"in {checkpoint_dir}."
+        )
+        raise interrupted(exc, message) from None
     wall = time.perf_counter() - start
     stdout_console().print(_demo_summary(result, wall, clock))
     if out is not None:
-        click.echo(f"wrote {result.groups} groups to {out}", err=True)
+        before = checkpoint.groups if appending and checkpoint is not None else 0
+        also = f" ({result.groups} in all)" if before else ""
+        click.echo(f"wrote {result.groups - before} groups to {out}{also}", err=True)
     if plot is not None:
         _plot(matplotlib, result, plot)
         click.echo(f"wrote the learning curve to {plot}", err=True)
 
 
 async def _demo_main(config: DemoConfig, display: _DemoDisplay, out: IO[str] | None) -> DemoResult:
-    return await run_demo(config, on_start=display.on_start, on_step=display.on_step, out=out)
+    return await run_demo(
+        config,
+        on_start=display.on_start,
+        on_step=display.on_step,
+        on_resume=display.on_resume,
+        out=out,
+    )
