@@ -61,15 +61,11 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import hashlib
 import json
 import math
 import multiprocessing
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +75,7 @@ import attrs
 import numpy as np
 import trio
 import trio.testing
+from _report import Report, machine_lines, progress
 
 import trio_rollouts as tr
 from trio_rollouts.inference import EmbeddedInference, LatencyModel
@@ -379,82 +376,7 @@ def run_one(
 
 
 def machine() -> list[str]:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    model = line.partition(":")[2].strip()
-                    break
-    except OSError:
-        pass
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
-    return [
-        f"machine: nproc={os.cpu_count()} (usable {affinity}), CPU: {model}",
-        f"python {platform.python_version()} ({platform.python_implementation()}), "
-        f"trio {trio.__version__}, numpy {np.__version__}, trio_rollouts {tr.__version__}",
-        f"library: {library_fingerprint()}",
-    ]
-
-
-def library_fingerprint() -> str:
-    """Which state of trio_rollouts ran: the commit and a hash of the sources on disk."""
-    package = Path(tr.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=package,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "?"
-    return f"{package} (commit {commit}, sources sha256 {digest.hexdigest()[:12]})"
-
-
-def progress(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-class Report:
-    """Prints tables with rich when it is installed, as plain text otherwise."""
-
-    def __init__(self) -> None:
-        try:
-            from rich.console import Console
-        except ImportError:
-            self.console = None
-        else:
-            self.console = Console(width=None if sys.stdout.isatty() else 160)
-
-    def line(self, text: str = "") -> None:
-        if self.console is not None:
-            self.console.print(text, highlight=False, markup=False, soft_wrap=True)
-        else:
-            print(text)
-
-    def table(self, title: str, header: list[str], rows: list[list[str]]) -> None:
-        if self.console is not None:
-            from rich.table import Table
-
-            table = Table(title=title, title_justify="left")
-            for i, name in enumerate(header):
-                table.add_column(name, justify="left" if i == 0 else "right")
-            for row in rows:
-                table.add_row(*row)
-            self.console.print(table)
-            return
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        print(title)
-        for row in [header, ["-" * w for w in widths], *rows]:
-            cells = zip(row, widths, strict=True)
-            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(cells)))
-        print()
+    return machine_lines(f"numpy {np.__version__}")
 
 
 def derive(result: dict[str, Any], baseline: dict[str, Any], push: float) -> dict[str, Any]:
@@ -576,7 +498,7 @@ def main() -> None:
     if "none" not in variants:
         variants.insert(0, "none")
 
-    report = Report()
+    report = Report(width=160)
     for line in machine():
         report.line(line)
     report.line(
