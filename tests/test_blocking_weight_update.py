@@ -539,7 +539,7 @@ def test_a_pipeline_failure_while_a_drain_waits_reaches_the_caller() -> None:
         pipeline = stream._stream._pipeline  # type: ignore[union-attr]
 
         def open_once_the_drain_waits() -> None:
-            wait_until(lambda: pipeline.update_in_progress)
+            wait_until(lambda: pipeline.updating)
             gate.open()
 
         opener = threading.Thread(target=open_once_the_drain_waits)
@@ -594,7 +594,7 @@ def test_a_keyboard_interrupt_while_entering_gives_the_update_up() -> None:
         main = threading.get_ident()
 
         def interrupt_once_the_drain_waits() -> None:
-            wait_until(lambda: pipeline.update_in_progress)
+            wait_until(lambda: pipeline.updating)
             signal.pthread_kill(main, signal.SIGINT)
 
         interrupter = threading.Thread(target=interrupt_once_the_drain_waits)
@@ -602,7 +602,7 @@ def test_a_keyboard_interrupt_while_entering_gives_the_update_up() -> None:
         with pytest.raises(KeyboardInterrupt), stream.weight_update("drain"):
             pytest.fail("entered")
         interrupter.join()
-        wait_until(lambda: not pipeline.update_in_progress)  # given up, in the Trio thread
+        wait_until(lambda: not pipeline.updating)  # given up, in the Trio thread
         assert stream.policy_epoch == 0
         gate.open()
         groups = stream.take(2, timeout=WAIT)

@@ -676,13 +676,13 @@ def test_an_actor_gives_up_a_begin_its_end_overtook_and_refuses_it_later() -> No
     beginner = threading.Thread(target=begin)
     beginner.start()
     deadline = time.monotonic() + WAIT
-    while not pipeline.update_in_progress:
+    while not pipeline.updating:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert actor.end_weight_update(1, body_failed=True) == []
     beginner.join(WAIT)
     assert "given up" in str(refused[0])
-    assert not pipeline.update_in_progress
+    assert not pipeline.updating
     with pytest.raises(RuntimeError, match="ended already"):
         actor.begin_weight_update(1, "drain", 1)
     update = actor.begin_weight_update(2, "restart", 1)

@@ -22,7 +22,7 @@ import math
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import trio
 
@@ -33,7 +33,6 @@ from ._stream import RolloutStream, RolloutStreamStatistics
 from ._weight_update import WeightUpdate
 
 if TYPE_CHECKING:
-    from ._pipeline import _Pipeline
     from .inference import InferenceInterface, WeightUpdateMode
 
 __all__ = ["BlockingRolloutStream", "blocking_grouped_rollouts"]
@@ -242,9 +241,6 @@ class BlockingRolloutStream:
         self._failure_raised = False
         # Groups received for a take() that then timed out: handed out first next time.
         self._held: collections.deque[RolloutGroup] = collections.deque()
-        # Batches whose completion a kept group's staleness undid (see _untake): their
-        # next completion must not submit another batch.
-        self._resubmitted: set[int] = set()
         self._thread = threading.Thread(
             target=self._run_trio, name=f"trio_rollouts:{type(agent).__name__}", daemon=True
         )
@@ -333,7 +329,7 @@ class BlockingRolloutStream:
 
         async def get_one() -> RolloutGroup | None:
             with _deadline_for_waiting(timeout):
-                return self._taken(await stream.receive())
+                return await stream.receive()
             return None
 
         group = self._call(get_one)
@@ -368,7 +364,7 @@ class BlockingRolloutStream:
             with _deadline_for_waiting(timeout) as scope:
                 try:
                     while len(groups) < n:
-                        groups.append(self._taken(await stream.receive()))
+                        groups.append(await stream.receive())
                 except trio.EndOfChannel:
                     return
             timed_out = scope.cancelled_caught
@@ -391,8 +387,7 @@ class BlockingRolloutStream:
         stream = self._require_stream()
 
         async def try_one() -> RolloutGroup | None:
-            group = stream.try_next()
-            return None if group is None else self._taken(group)
+            return stream.try_next()
 
         group = self._call(try_one)
         return None if group is None else self._handed(group)
@@ -411,12 +406,7 @@ class BlockingRolloutStream:
         wanted = n - len(groups)
 
         async def drain_ready() -> list[RolloutGroup]:
-            if not self._resubmitted:
-                return stream.drain(wanted)
-            ready: list[RolloutGroup] = []
-            while len(ready) < wanted and (group := stream.try_next()) is not None:
-                ready.append(self._taken(group))  # one by one: see _taken
-            return ready
+            return stream.drain(wanted)
 
         return self._handed_all(groups + self._call(drain_ready))
 
@@ -590,10 +580,8 @@ class BlockingRolloutStream:
     # weight update can make a kept group too old for max_staleness; the stream's own
     # check saw it when it was fresh, so the bridge checks again as the update's body
     # returns (the only moment the epoch moves). A stale kept group is given back to the
-    # pipeline: its take is undone in the books (_untake), then it is generated again in
-    # its slot, exactly as the stream regenerates a group it finds too old. Undoing the
-    # take that completed a batch cannot undo the batch that completion submitted (when
-    # streaming); the batch's next completion must then not submit one more (_taken).
+    # pipeline: its take is undone in the books (_Pipeline.untake), then it is generated
+    # again in its slot, exactly as the stream regenerates a group it finds too old.
 
     def _give_back_stale_kept(self, stream: RolloutStream, new_epoch: int) -> None:
         """Trio thread, as a weight update's body returns and before the epoch moves to
@@ -611,7 +599,7 @@ class BlockingRolloutStream:
             kept = list(self._held)
             self._held.clear()
             for group in reversed(kept):
-                self._untake(p, group)
+                p.untake(group)
             stream._ready.extendleft(reversed(kept))
             return
         fresh: collections.deque[RolloutGroup] = collections.deque()
@@ -620,50 +608,8 @@ class BlockingRolloutStream:
             (stale if new_epoch - group.start_epoch > bound else fresh).append(group)
         self._held = fresh
         for group in reversed(stale):  # regenerate_stale puts each slot first
-            self._untake(p, group)
+            p.untake(group)
             p.regenerate_stale(group)
-
-    def _untake(self, p: _Pipeline, group: RolloutGroup) -> None:
-        """Undo ``p.group_taken(group)``: the group is pending again, as if the stream
-        had never handed it over."""
-        p.delivered -= 1
-        p.untaken += 1
-        batch_id = group.batch_id
-        if p.env_of_slot is not None:
-            p.env_counters_of(batch_id, group.index_in_batch).delivered -= 1
-        if p.num_groups > 1 and batch_id in p.taken_in_batch:
-            left = p.taken_in_batch[batch_id] - 1
-            if left:
-                p.taken_in_batch[batch_id] = left
-            else:
-                del p.taken_in_batch[batch_id]
-            return
-        # Its take completed the batch: the batch is outstanding again.
-        if p.num_groups > 1:
-            p.taken_in_batch[batch_id] = p.num_groups - 1
-        p.outstanding_batches += 1
-        if p.streaming:
-            self._resubmitted.add(batch_id)
-
-    def _taken(self, group: RolloutGroup) -> RolloutGroup:
-        """Trio thread, right after the stream handed ``group`` over (no checkpoint in
-        between): when that completed a batch whose first completion was undone, take
-        back the batch the completion has just submitted again."""
-        if not self._resubmitted or group.batch_id not in self._resubmitted:
-            return group
-        p = cast(RolloutStream, self._stream)._pipeline
-        if p.num_groups > 1 and group.batch_id in p.taken_in_batch:
-            return group  # not complete yet
-        self._resubmitted.discard(group.batch_id)
-        last, size, slots = p.next_batch_id - 1, p.num_groups, p.free_slots
-        if len(slots) >= size and all(
-            slots[-size + i] == (last, i) for i in range(size)
-        ):  # always: nothing ran since the submission to claim a slot
-            for _ in range(size):
-                slots.pop()
-            p.next_batch_id = last
-            p.outstanding_batches -= 1
-        return group
 
     def _require_stream(self) -> RolloutStream:
         self._raise_failure()

@@ -181,7 +181,6 @@ class _Pipeline:
         "call_epoch",
         "call_started",
         "cancelled",
-        "close_when_sent",
         "closed",
         "coming_to_claim",
         "completed",
@@ -240,7 +239,7 @@ class _Pipeline:
         "tracking",
         "unstamped_epochs",
         "untaken",
-        "update_in_progress",
+        "untaken_batches",
         "update_progress",
         "updating",
         "waiting_to_retry",
@@ -271,6 +270,9 @@ class _Pipeline:
         self.next_batch_id = 0
         self.outstanding_batches = 0
         self.taken_in_batch: dict[int, int] = {}
+        # Batches whose completing take was undone (untake): their next completion
+        # submits no batch.
+        self.untaken_batches: set[int] = set()
         # Non-streaming: the worker that sends the batch's last group closes the channel.
         self.groups_left_to_send = request.num_groups
         self.consecutive_filtered = 0
@@ -330,12 +332,10 @@ class _Pipeline:
         self.thawed = trio.Event()
         self.deadlines: dict[trio.CancelScope, float] = {}
         self.watchdog_nap = trio.CancelScope()
-        self.update_in_progress = False
         self.closed = False
         # With a staleness bound, a group found too old when it is taken is generated
         # again in its slot: workers must outlive a non-streaming batch's last send.
         self.park_when_idle = self.streaming or self.max_staleness is not None
-        self.close_when_sent = not self.park_when_idle
         # Wake-up accounting (see wake_workers): workers that are runnable and will look
         # for a free slot before they next block.
         self.coming_to_claim = 0
@@ -406,7 +406,34 @@ class _Pipeline:
             del self.taken_in_batch[group.batch_id]
         self.outstanding_batches -= 1
         if self.streaming:
+            if self.untaken_batches and group.batch_id in self.untaken_batches:
+                # Its first completion, which untake() undid, submitted the next batch.
+                self.untaken_batches.discard(group.batch_id)
+                return
             self.submit_batch()
+
+    def untake(self, group: RolloutGroup) -> None:
+        """Undo ``group_taken(group)``: the group is pending again, as if the stream had
+        never handed it over (the sync bridge, for a group a timed-out ``take()`` kept
+        and a weight update made too old). A batch whose completion is undone is
+        outstanding again; its next completion submits no batch, since the first did."""
+        self.delivered -= 1
+        self.untaken += 1
+        batch_id = group.batch_id
+        if self.env_of_slot is not None:
+            self.env_counters_of(batch_id, group.index_in_batch).delivered -= 1
+        if self.num_groups > 1 and batch_id in self.taken_in_batch:
+            left = self.taken_in_batch[batch_id] - 1
+            if left:
+                self.taken_in_batch[batch_id] = left
+            else:
+                del self.taken_in_batch[batch_id]
+            return
+        if self.num_groups > 1:
+            self.taken_in_batch[batch_id] = self.num_groups - 1
+        self.outstanding_batches += 1
+        if self.streaming:
+            self.untaken_batches.add(batch_id)
 
     # ---------------------------------------------------------------- weight updates
 
@@ -677,7 +704,7 @@ class _Pipeline:
                 # Woken by a receive (counted in channel_received), not cancelled.
                 self.woken_senders -= 1
                 self.coming_to_claim -= 1
-            if self.close_when_sent:
+            if not self.park_when_idle:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
                     self.send_channel.close()

@@ -194,7 +194,7 @@ class RolloutStream:
         # A non-streaming stream whose workers outlive its batch (a staleness bound may
         # send a slot back to them) ends when its groups are taken, not when the channel
         # closes.
-        self._ends_by_count = not pipeline.close_when_sent and not pipeline.streaming
+        self._ends_by_count = pipeline.park_when_idle and not pipeline.streaming
         return self
 
     def __repr__(self) -> str:

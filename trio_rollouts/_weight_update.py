@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from ._checks import is_int
-from .inference import InferenceInterface
+from .inference import InferenceInterface, OpenAIInference
 from .inference._pausable import WEIGHT_UPDATE_MODES, Pausable, WeightUpdateError, WeightUpdateMode
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def checked_backends(
             supported = ", ".join(repr(m) for m in sorted(backend.supported_modes))
             hint = (
                 " (OpenAIInference supports keep and abort with server='vllm' or 'sglang')"
-                if mode in ("keep", "abort") and type(backend).__name__ == "OpenAIInference"
+                if mode in ("keep", "abort") and isinstance(backend, OpenAIInference)
                 else ""
             )
             msg = (
@@ -154,13 +154,12 @@ async def open_weight_update(
     checked = checked_mode(mode)
     new_epoch = checked_epoch(epoch, p.epoch)
     pausable = checked_backends(backends, p.request.inference_interface, checked)
-    if p.update_in_progress:
+    if p.updating:
         msg = "a weight update is already in progress on this stream (one at a time)"
         raise RuntimeError(msg)
     old_epoch = p.epoch
     update = WeightUpdate(epoch=new_epoch, mode=checked)
     entered = trio.current_time()
-    p.update_in_progress = True
     p.updating = True
     p.watching = True
     paused: list[Pausable] = []
@@ -232,5 +231,4 @@ def _reopen(p: _Pipeline) -> None:
     interrupted)."""
     p.thaw_deadlines()
     p.watching = p.dropping()
-    p.update_in_progress = False
     p.open_gate()
