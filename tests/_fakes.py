@@ -5,9 +5,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import attrs
+import trio
 
 import trio_rollouts as tr
-from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.inference import (
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    Pausable,
+    WeightUpdateMode,
+)
 
 
 @attrs.define
@@ -77,3 +84,51 @@ def request(
         enforce_order=enforce_order,
         filter_groups_with_same_reward=filter_groups_with_same_reward,
     )
+
+
+@attrs.define(eq=False)
+class Backend(InferenceInterface, tr.ReturnsRaw, Pausable):
+    """A Pausable backend in all four modes whose pause or resume can fail, and that
+    does not stamp where an epoch changed; ``log`` records what it was told. A call
+    takes ``latency`` seconds and is stamped with the epoch it started under."""
+
+    fail_pause: bool = False
+    fail_resume: bool = False
+    log: list[str] = attrs.Factory(list)
+    epoch: int = 0
+    latency: float = 1.0
+
+    @property
+    def supported_modes(self) -> frozenset[WeightUpdateMode]:
+        return frozenset({"drain", "restart", "keep", "abort"})
+
+    @property
+    def policy_epoch(self) -> int:
+        return self.epoch
+
+    @property
+    def stamps_policy_epoch(self) -> bool:
+        return False
+
+    async def pause(self, mode: WeightUpdateMode) -> None:
+        await trio.lowlevel.checkpoint()
+        self.log.append(f"pause {mode}")
+        if self.fail_pause:
+            msg = "pause endpoint answered 404"
+            raise RuntimeError(msg)
+
+    async def resume(self, epoch: int) -> None:
+        await trio.lowlevel.checkpoint()
+        self.log.append(f"resume {epoch}")
+        self.epoch = epoch
+        if self.fail_resume:
+            msg = "resume endpoint answered 500"
+            raise RuntimeError(msg)
+
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        await trio.sleep(self.latency)
+        return InferenceResponse(
+            response=tr.ChatMessage(role="assistant", content="x"),
+            raw_text="x",
+            policy_epoch=[(0, self.epoch)],
+        )

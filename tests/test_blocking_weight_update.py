@@ -12,6 +12,7 @@ timeout of ``QUIET`` seconds, which a broken pause would beat by orders of magni
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -21,17 +22,14 @@ from collections.abc import Callable, Sequence
 import attrs
 import pytest
 import trio
+from _fakes import Backend as ScriptedBackend
 from _fakes import RawInterface
 
 import trio_rollouts as tr
-from trio_rollouts import ChatMessage
 from trio_rollouts.inference import (
     EmbeddedInference,
     InferenceInterface,
-    InferenceRequest,
-    InferenceResponse,
     LatencyModel,
-    Pausable,
     WeightUpdateError,
     WeightUpdateMode,
 )
@@ -323,49 +321,8 @@ def test_a_body_that_raises_resumes_under_the_old_epoch_and_propagates_unchanged
         assert stream.policy_epoch == 1
 
 
-@attrs.define(eq=False)
-class Backend(InferenceInterface, tr.ReturnsRaw, Pausable):
-    """A Pausable backend whose pause or resume can fail; records what it was told."""
-
-    fail_pause: bool = False
-    fail_resume: bool = False
-    log: list[str] = attrs.Factory(list)
-    epoch: int = 0
-
-    @property
-    def supported_modes(self) -> frozenset[WeightUpdateMode]:
-        return frozenset(MODES)
-
-    @property
-    def policy_epoch(self) -> int:
-        return self.epoch
-
-    @property
-    def stamps_policy_epoch(self) -> bool:
-        return False
-
-    async def pause(self, mode: WeightUpdateMode) -> None:
-        await trio.lowlevel.checkpoint()
-        self.log.append(f"pause {mode}")
-        if self.fail_pause:
-            msg = "pause endpoint answered 404"
-            raise RuntimeError(msg)
-
-    async def resume(self, epoch: int) -> None:
-        await trio.lowlevel.checkpoint()
-        self.log.append(f"resume {epoch}")
-        self.epoch = epoch
-        if self.fail_resume:
-            msg = "resume endpoint answered 500"
-            raise RuntimeError(msg)
-
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        await trio.lowlevel.checkpoint()
-        return InferenceResponse(
-            response=ChatMessage(role="assistant", content="x"),
-            raw_text="x",
-            policy_epoch=[(0, self.epoch)],
-        )
+#: The scripted backend, its calls instant (these tests run on the real clock).
+Backend = functools.partial(ScriptedBackend, latency=0.0)
 
 
 def test_a_resume_that_fails_after_a_failed_body_is_a_note_on_the_bodys_exception() -> None:

@@ -16,17 +16,14 @@ import pytest
 import trio
 import trio.lowlevel
 import trio.testing
-from _fakes import RawInterface
+from _fakes import Backend, RawInterface
 
 import trio_rollouts as tr
 from trio_rollouts import ChatMessage
 from trio_rollouts.inference import (
     EmbeddedInference,
     InferenceInterface,
-    InferenceRequest,
-    InferenceResponse,
     LatencyModel,
-    Pausable,
     WeightUpdateError,
     WeightUpdateMode,
 )
@@ -333,51 +330,6 @@ async def test_non_streaming_with_a_bound_ends_after_its_groups(
 
 
 # --------------------------------------------------------------------------- failures
-
-
-@attrs.define(eq=False)
-class Backend(InferenceInterface, tr.ReturnsRaw, Pausable):
-    """A Pausable backend whose pause or resume can fail; records what it was told."""
-
-    fail_pause: bool = False
-    fail_resume: bool = False
-    log: list[str] = attrs.Factory(list)
-    epoch: int = 0
-
-    @property
-    def supported_modes(self) -> frozenset[WeightUpdateMode]:
-        return frozenset({"drain", "restart", "keep", "abort"})
-
-    @property
-    def policy_epoch(self) -> int:
-        return self.epoch
-
-    @property
-    def stamps_policy_epoch(self) -> bool:
-        return False
-
-    async def pause(self, mode: WeightUpdateMode) -> None:
-        await trio.lowlevel.checkpoint()
-        self.log.append(f"pause {mode}")
-        if self.fail_pause:
-            msg = "pause endpoint answered 404"
-            raise RuntimeError(msg)
-
-    async def resume(self, epoch: int) -> None:
-        await trio.lowlevel.checkpoint()
-        self.log.append(f"resume {epoch}")
-        self.epoch = epoch
-        if self.fail_resume:
-            msg = "resume endpoint answered 500"
-            raise RuntimeError(msg)
-
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        await trio.sleep(1)
-        return InferenceResponse(
-            response=ChatMessage(role="assistant", content="x"),
-            raw_text="x",
-            policy_epoch=[(0, self.epoch)],
-        )
 
 
 async def test_a_failing_pause_resumes_everything_under_the_old_epoch(
