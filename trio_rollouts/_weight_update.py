@@ -183,20 +183,17 @@ async def open_weight_update(
             try:
                 await backend.pause(checked)
             except Exception as exc:
-                failures = await _resume_all(paused, old_epoch)
-                error = WeightUpdateError(
+                msg = (
                     f"pausing {type(backend).__name__} for weight_update(mode={checked!r}, "
                     f"epoch={new_epoch}) failed: {type(exc).__name__}: {exc}; every backend "
                     f"paused so far was resumed under epoch {old_epoch}"
                 )
-                for failure in failures:
-                    error.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
-                paused.clear()
-                raise error from exc
+                raise WeightUpdateError(msg) from exc
         update.pause_seconds = trio.current_time() - entered
     except BaseException as exc:
         # A pause failed, or the update was cancelled before its body (or the pipeline
-        # failed): resume what was paused under the old epoch.
+        # failed): resume what was paused (the failing backend included) under the old
+        # epoch; a resume that fails too is a note on the error.
         for failure in await _resume_all(paused, old_epoch):
             exc.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
         _reopen(p)
