@@ -21,11 +21,11 @@ from trio_rollouts._evaluation import (
     PassAtKEvaluationAgent,
     PassAtKEvaluationResponse,
     PassAtKResult,
-    Problem,
     merge_evaluation_responses,
     pass_at_k,
     shard_indices,
 )
+from trio_rollouts._models import Problem
 from trio_rollouts._multitask import WeightedMultiTask, WeightedTask
 from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
 

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 import trio_rollouts as tr
-from trio_rollouts._evaluation import Problem
+from trio_rollouts._models import Problem
 from trio_rollouts._reward_only import (
     REWARD_FUNCTIONS,
     RewardOnlyAgent,

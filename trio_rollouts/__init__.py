@@ -16,7 +16,6 @@ from ._convert import unstructure as unstructure
 from ._evaluation import PassAtKEvaluationAgent as PassAtKEvaluationAgent
 from ._evaluation import PassAtKEvaluationResponse as PassAtKEvaluationResponse
 from ._evaluation import PassAtKResult as PassAtKResult
-from ._evaluation import Problem as Problem
 from ._evaluation import merge_evaluation_responses as merge_evaluation_responses
 from ._evaluation import pass_at_k as pass_at_k
 from ._evaluation import shard_indices as shard_indices
@@ -32,6 +31,7 @@ from ._models import GenerationArgs as GenerationArgs
 from ._models import GroupedRolloutRequest as GroupedRolloutRequest
 from ._models import Head2HeadRolloutRequest as Head2HeadRolloutRequest
 from ._models import LLMChatMessage as LLMChatMessage
+from ._models import Problem as Problem
 from ._models import Request as Request
 from ._models import RewardEvaluationResult as RewardEvaluationResult
 from ._models import Rollout as Rollout

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -29,11 +29,9 @@ from ._models import (
     TokenRollout,
 )
 from ._pipeline import check_grouped_request, open_grouped_rollouts
+from ._prompts import PromptSource
 from ._stream import RolloutStream
-from .inference import ReturnsRaw
-
-if TYPE_CHECKING:
-    from ._prompts import PromptSource
+from .inference._interface import require_raw
 
 __all__ = [
     "Agent",
@@ -43,15 +41,6 @@ __all__ = [
     "RolloutGenerator",
     "TokenizedRolloutGenerator",
 ]
-
-
-def _require_raw(agent: Agent, request: RolloutRequest | GroupedRolloutRequest) -> None:
-    if not isinstance(request.inference_interface, ReturnsRaw):
-        msg = (
-            f"{type(agent).__name__} needs an inference interface that returns raw text "
-            f"(ReturnsRaw); {type(request.inference_interface).__name__} does not"
-        )
-        raise TypeError(msg)
 
 
 @attrs.define(kw_only=True)
@@ -75,7 +64,7 @@ class RolloutGenerator(Agent):
         Cancellation: cancelling this cancels every call; it returns (or raises) only after
         all of them have exited.
         """
-        _require_raw(self, request)
+        require_raw(request.inference_interface, type(self).__name__)
         return await gather([lambda: self.rollout(request)] * request.num_rollouts)
 
 
@@ -92,7 +81,7 @@ class TokenizedRolloutGenerator(Agent):
         """Run ``request.num_rollouts`` :meth:`rollout` calls concurrently; return them in
         call order. Errors and cancellation as :meth:`RolloutGenerator.get_reward_rollouts`.
         """
-        _require_raw(self, request)
+        require_raw(request.inference_interface, type(self).__name__)
         return await gather([lambda: self.rollout(request)] * request.num_rollouts)
 
 
@@ -138,8 +127,6 @@ class GroupedRolloutGenerator(Agent):
 
     @prompts.validator
     def _check_prompts(self, attribute: attrs.Attribute[Any], value: object) -> None:
-        from ._prompts import PromptSource
-
         if value is not None and not isinstance(value, PromptSource):
             msg = f"prompts must be a PromptSource or None, got {type(value).__name__}"
             raise TypeError(msg)

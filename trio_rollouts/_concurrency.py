@@ -14,7 +14,13 @@ from typing import TypeVar
 
 import trio
 
-__all__ = ["describe_error", "flatten_exception_groups", "gather", "real_leaves"]
+__all__ = [
+    "describe_error",
+    "flatten_exception_groups",
+    "gather",
+    "gather_bounded",
+    "real_leaves",
+]
 
 T = TypeVar("T")
 
@@ -127,4 +133,29 @@ async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
         async with trio.open_nursery() as nursery:
             for i, call in enumerate(calls):
                 nursery.start_soon(run, i, call)
+    return results  # type: ignore[return-value]  # every slot was filled
+
+
+async def gather_bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    """Run ``calls`` with at most ``limit`` running at once; return results in call order.
+
+    A fixed set of ``min(limit, len(calls))`` worker tasks takes the calls in order (a task
+    per call costs more in Trio and would hold every pending call's frame at once). The
+    first failure cancels the rest and is raised as itself (see :func:`gather`).
+
+    Cancellation: cancelling the caller cancels every call in flight; this returns only
+    after all of them have exited.
+    """
+    results: list[T | None] = [None] * len(calls)
+    pending = iter(enumerate(calls))
+
+    async def worker() -> None:
+        # Workers share one iterator: taking a call is synchronous, so each runs once.
+        for i, call in pending:
+            results[i] = await call()
+
+    with flatten_exception_groups():
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(limit, len(calls))):
+                nursery.start_soon(worker)
     return results  # type: ignore[return-value]  # every slot was filled

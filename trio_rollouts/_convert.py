@@ -30,13 +30,13 @@ import attrs
 import cattrs
 from cattrs.errors import BaseValidationError, ClassValidationError, IterableValidationError
 
+from ._messages import Record
 from ._models import (
     EvaluationResponse,
     EvaluationResult,
     ResultT,
     Rollout,
     TokenRollout,
-    _Record,
 )
 
 __all__ = ["ValidationError", "dump_jsonl", "load_jsonl", "structure", "unstructure"]
@@ -609,13 +609,13 @@ def _make_record_hook(
 ) -> _StructureHook:
     """Structure a dict into the attrs class ``tp`` (through its constructor).
 
-    Unknown keys go to ``extra`` for records (``_Record``), and are errors for other attrs
+    Unknown keys go to ``extra`` for records (``Record``), and are errors for other attrs
     classes; keys in ``reserved`` (``type_name``) are skipped. A field's problems are all
     collected before the constructor runs; the constructor's own checks then report at the
     object's path.
     """
     cls, field_types = _field_types(tp, typevars)
-    keeps_extra = issubclass(cls, _Record)
+    keeps_extra = issubclass(cls, Record)
     # Per field: init name, hook, type, whether None is allowed, the primitive type whose
     # exact instances need no hook (str/float fields), and the quick path (list fields).
     fields: dict[str, tuple[str, _StructureHook, Any, bool, type | None, Any]] = {}
@@ -796,7 +796,7 @@ def _unstructure_fn(tp: Any) -> _UnstructureFn | None:
 
 def _make_record_unstructure(tp: Any) -> _UnstructureFn:
     cls, field_types = _field_types(tp)
-    keeps_extra = issubclass(cls, _Record)
+    keeps_extra = issubclass(cls, Record)
     plan = [
         (a.name, _unstructure_fn(field_types[a.name]))
         for a in attrs.fields(cls)

@@ -39,8 +39,14 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from ._evaluation import Problem
-from ._models import ChatMessage, GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from ._models import (
+    ChatMessage,
+    GroupedRolloutRequest,
+    Problem,
+    Rollout,
+    RolloutGroup,
+    TokenRollout,
+)
 from ._prompt_file import write_groups
 from ._prompts import PromptSource
 from .envs.arithmetic import ArithmeticEnvironment

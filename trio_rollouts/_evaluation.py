@@ -19,24 +19,24 @@ from typing import Any, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
-import trio
 
 from ._agents import EvaluationAgent
 from ._checks import int_at_least
-from ._concurrency import flatten_exception_groups
+from ._concurrency import gather_bounded
 from ._models import (
-    ChatMessage,
     EvaluationRequest,
     EvaluationResponse,
     GenerationArgs,
+    Problem,
+    ProblemLike,
     RewardEvaluationResult,
+    as_problem,
 )
 
 __all__ = [
     "PassAtKEvaluationAgent",
     "PassAtKEvaluationResponse",
     "PassAtKResult",
-    "Problem",
     "merge_evaluation_responses",
     "pass_at_k",
     "shard_indices",
@@ -151,48 +151,10 @@ def merge_evaluation_responses(responses: Sequence[ResponseT]) -> ResponseT:
 # --------------------------------------------------------------------------- problems
 
 
-def _check_problem_id(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, str):
-        msg = f"problem_id must be a str, got {value!r:.80}"
-        raise TypeError(msg)
-
-
-def _check_prompt(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, str):
-        return
-    if isinstance(value, list) and value and all(isinstance(m, ChatMessage) for m in value):
-        return
-    msg = f"prompt must be a str or a non-empty list of ChatMessage, got {value!r:.80}"
-    raise TypeError(msg)
-
-
-@attrs.frozen(kw_only=True)
-class Problem:
-    """One problem: its id, the prompt (a string is one user message) and the reference
-    ``answer`` the reward function checks against (any value)."""
-
-    problem_id: str = attrs.field(validator=_check_problem_id)
-    prompt: str | list[ChatMessage] = attrs.field(validator=_check_prompt)
-    answer: Any = None
-
-
-#: A problem, or a ``(problem_id, prompt, answer)`` tuple.
-ProblemLike: TypeAlias = Problem | tuple[str, str | list[ChatMessage], Any]
 #: Where problems come from: a sequence, or a function from prompt index to problem.
 ProblemSource: TypeAlias = Sequence[ProblemLike] | Callable[[int], ProblemLike]
 #: Scores one response to a problem: a float (or bool), or an awaitable of one.
 RewardFunction: TypeAlias = Callable[[Problem, str], float | Awaitable[float]]
-
-
-def as_problem(value: object, where: str) -> Problem:
-    """A :class:`Problem` from a problem or a ``(problem_id, prompt, answer)`` tuple."""
-    if isinstance(value, Problem):
-        return value
-    if isinstance(value, tuple) and len(value) == 3:
-        problem_id, prompt, answer = value
-        return Problem(problem_id=problem_id, prompt=prompt, answer=answer)
-    msg = f"{where} must be a Problem or a (problem_id, prompt, answer) tuple, got {value!r:.80}"
-    raise TypeError(msg)
 
 
 def as_problem_source(value: ProblemSource) -> list[Problem] | Callable[[int], ProblemLike]:
@@ -233,32 +195,6 @@ async def score(reward_fn: RewardFunction, problem: Problem, response: str, env_
 
 
 Scored: TypeAlias = tuple[str, float]
-T = TypeVar("T")
-
-
-async def gather_bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
-    """Run ``calls`` with at most ``limit`` running at once; return results in call order.
-
-    A fixed set of ``min(limit, len(calls))`` worker tasks takes the calls in order (a task
-    per call costs more in Trio and would hold every pending call's frame at once). The
-    first failure cancels the rest and is raised as itself (see :func:`gather`).
-
-    Cancellation: cancelling the caller cancels every call in flight; this returns only
-    after all of them have exited.
-    """
-    results: list[T | None] = [None] * len(calls)
-    pending = iter(enumerate(calls))
-
-    async def worker() -> None:
-        # Workers share one iterator: taking a call is synchronous, so each runs once.
-        for i, call in pending:
-            results[i] = await call()
-
-    with flatten_exception_groups():
-        async with trio.open_nursery() as nursery:
-            for _ in range(min(limit, len(calls))):
-                nursery.start_soon(worker)
-    return results  # type: ignore[return-value]  # every slot was filled
 
 
 # --------------------------------------------------------------------------- results

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, overload
 
 import attrs
 import numpy as np
@@ -25,9 +25,8 @@ from ._checks import check_str as _check_str
 from ._checks import int_at_least as _int_at_least
 from ._checks import is_int as _is_int
 from ._checks import is_real as _is_real
-
-if TYPE_CHECKING:
-    from .inference._interface import InferenceInterface
+from ._messages import ChatMessage, GenerationArgs, LLMChatMessage, Record
+from .inference._interface import InferenceInterface
 
 __all__ = [
     "ChatMessage",
@@ -39,11 +38,14 @@ __all__ = [
     "GroupedRolloutRequest",
     "Head2HeadRolloutRequest",
     "LLMChatMessage",
+    "Problem",
+    "ProblemLike",
     "Request",
     "Rollout",
     "RolloutGroup",
     "RolloutRequest",
     "TokenRollout",
+    "as_problem",
 ]
 
 # --------------------------------------------------------------------------- validators
@@ -65,118 +67,10 @@ def _check_list(instance: object, attribute: attrs.Attribute[Any], value: object
         raise TypeError(msg)
 
 
-# --------------------------------------------------------------------------- base record
-
-
-@attrs.define(kw_only=True)
-class _Record:
-    """A record that keeps unknown keys (``extra``) through a round trip."""
-
-    #: Keys this library does not know, preserved verbatim by structure/unstructure.
-    extra: dict[str, Any] = attrs.field(factory=dict, repr=False)
-
-
-# --------------------------------------------------------------------------- messages
-
-
-@attrs.define(kw_only=True)
-class ChatMessage(_Record):
-    """One message of a chat: ``role`` (``"system"``, ``"user"``, ``"assistant"``,
-    ``"tool"``, ...) and its text ``content``. Extra keys (``tool_calls``, ``name``) are
-    kept in :attr:`extra`."""
-
-    role: str = attrs.field(validator=_check_str)
-    content: str = attrs.field(validator=_check_str)
-
-
-#: The origin's name for :class:`ChatMessage`.
-LLMChatMessage = ChatMessage
-
-
-def _check_temperature(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if not _is_real(value):
-        msg = f"temperature must be a float >= 0 or None, got {value!r}"
-        raise TypeError(msg)
-    if not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
-        msg = f"temperature must be a finite float >= 0 (0.0 is greedy), got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_top_p(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if not _is_real(value):
-        msg = f"top_p must be a float in (0, 1] or None, got {value!r}"
-        raise TypeError(msg)
-    if not 0.0 < value <= 1.0:  # type: ignore[operator]
-        msg = f"top_p must be in (0, 1], got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_top_k(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if not _is_int(value):
-        msg = f"top_k must be an int >= 1 (or -1 for no limit) or None, got {value!r}"
-        raise TypeError(msg)
-    if value < 1 and value != -1:  # type: ignore[operator]
-        msg = f"top_k must be >= 1, or -1 for no limit, got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_max_tokens(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if not _is_int(value):
-        msg = f"max_tokens must be an int >= 1 or None, got {value!r}"
-        raise TypeError(msg)
-    if value < 1:  # type: ignore[operator]
-        msg = f"max_tokens must be >= 1, got {value!r}"
-        raise ValueError(msg)
-
-
-@attrs.frozen(kw_only=True)
-class GenerationArgs:
-    """Sampling arguments. ``None`` means "not set": the server's default applies.
-
-    ``0.0`` is a set value (greedy decoding), never replaced by a default.
-    """
-
-    temperature: float | None = attrs.field(default=None, validator=_check_temperature)
-    top_k: int | None = attrs.field(default=None, validator=_check_top_k)
-    top_p: float | None = attrs.field(default=None, validator=_check_top_p)
-    max_tokens: int | None = attrs.field(default=None, validator=_check_max_tokens)
-
-    def add(self, other: GenerationArgs) -> GenerationArgs:
-        """Return a copy of ``self`` with every field that ``other`` sets applied."""
-        if not isinstance(other, GenerationArgs):
-            msg = f"GenerationArgs.add() takes a GenerationArgs, got {other!r}"
-            raise TypeError(msg)
-        changes = {
-            name: value
-            for name, value in attrs.asdict(other, recurse=False).items()
-            if value is not None
-        }
-        return attrs.evolve(self, **changes)
-
-    def set_fields(self) -> dict[str, int | float]:
-        """The fields that are set, as a dict (what a backend forwards)."""
-        return {
-            name: value for name in _GENERATION_FIELDS if (value := getattr(self, name)) is not None
-        }
-
-
-_GENERATION_FIELDS = tuple(field.name for field in attrs.fields(GenerationArgs))
-
-
 # --------------------------------------------------------------------------- requests
 
 
 def _check_interface(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    from .inference._interface import InferenceInterface
-
     if not isinstance(value, InferenceInterface):
         msg = (
             f"{attribute.name} must be an InferenceInterface, got "
@@ -251,8 +145,6 @@ class GroupedRolloutRequest(Request):
 
 
 def _check_interface_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    from .inference._interface import InferenceInterface
-
     if not isinstance(value, list) or not value:
         msg = f"inference_interface must be a non-empty list of InferenceInterface, got {value!r}"
         raise TypeError(msg)
@@ -323,7 +215,7 @@ def _per_element(name: str, values: Sequence[Any], n: int) -> None:
 
 
 @attrs.define(kw_only=True)
-class Rollout(_Record):
+class Rollout(Record):
     """A text rollout: the trajectory's strings and its reward.
 
     ``policy_epoch[i]`` / ``kv_cache_epoch[i]`` list the ``(start_token_index, epoch)``
@@ -358,7 +250,7 @@ def _check_token_reward(instance: object, attribute: attrs.Attribute[Any], value
 
 
 @attrs.define(kw_only=True)
-class TokenRollout(_Record):
+class TokenRollout(Record):
     """A tokenized rollout: token ids per trajectory element, which of them the policy
     generated (``generation_mask``) and their log-probabilities.
 
@@ -445,7 +337,7 @@ def _check_rollouts(instance: object, attribute: attrs.Attribute[Any], value: ob
 
 
 @attrs.define(kw_only=True)
-class RolloutGroup(_Record):
+class RolloutGroup(Record):
     """A group of rollouts for one prompt (GRPO's unit), with its place in the batch.
 
     Iterable, sized and indexable like the list of rollouts it wraps. The reward helpers
@@ -533,7 +425,7 @@ class RolloutGroup(_Record):
 
 
 @attrs.define(kw_only=True)
-class ContrastiveRollout(_Record):
+class ContrastiveRollout(Record):
     """A preference pair: the chosen and the rejected trajectory."""
 
     chosen_trajectory: list[str] = attrs.field(validator=_check_list)
@@ -544,7 +436,7 @@ class ContrastiveRollout(_Record):
 
 
 @attrs.define(kw_only=True)
-class EvaluationResult(_Record):
+class EvaluationResult(Record):
     """One evaluated prompt and the model's response."""
 
     prompt: str | list[ChatMessage]
@@ -566,7 +458,7 @@ _RESPONSE_TYPES: dict[str, type[EvaluationResponse[Any]]] = {}
 
 
 @attrs.define(kw_only=True)
-class EvaluationResponse(_Record, Generic[ResultT]):
+class EvaluationResponse(Record, Generic[ResultT]):
     """An environment's evaluation results. Subclasses implement :meth:`metrics`.
 
     Every subclass is registered under its class name: ``unstructure`` writes it as
@@ -591,3 +483,46 @@ class EvaluationResponse(_Record, Generic[ResultT]):
 
 
 _RESPONSE_TYPES["EvaluationResponse"] = EvaluationResponse
+
+
+# --------------------------------------------------------------------------- problems
+
+
+def _check_problem_id(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        msg = f"problem_id must be a str, got {value!r:.80}"
+        raise TypeError(msg)
+
+
+def _check_prompt(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, str):
+        return
+    if isinstance(value, list) and value and all(isinstance(m, ChatMessage) for m in value):
+        return
+    msg = f"prompt must be a str or a non-empty list of ChatMessage, got {value!r:.80}"
+    raise TypeError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class Problem:
+    """One problem: its id, the prompt (a string is one user message) and the reference
+    ``answer`` the reward function checks against (any value)."""
+
+    problem_id: str = attrs.field(validator=_check_problem_id)
+    prompt: str | list[ChatMessage] = attrs.field(validator=_check_prompt)
+    answer: Any = None
+
+
+#: A problem, or a ``(problem_id, prompt, answer)`` tuple.
+ProblemLike: TypeAlias = Problem | tuple[str, str | list[ChatMessage], Any]
+
+
+def as_problem(value: object, where: str) -> Problem:
+    """A :class:`Problem` from a problem or a ``(problem_id, prompt, answer)`` tuple."""
+    if isinstance(value, Problem):
+        return value
+    if isinstance(value, tuple) and len(value) == 3:
+        problem_id, prompt, answer = value
+        return Problem(problem_id=problem_id, prompt=prompt, answer=answer)
+    msg = f"{where} must be a Problem or a (problem_id, prompt, answer) tuple, got {value!r:.80}"
+    raise TypeError(msg)

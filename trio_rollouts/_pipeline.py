@@ -65,7 +65,8 @@ from ._draws import Draw, current_draws, finish, give_back
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._stream import RolloutStream
-from .inference import Pausable, ReturnsRaw
+from .inference import Pausable
+from .inference._interface import require_raw
 
 if TYPE_CHECKING:
     from ._agents import GroupedRolloutGenerator
@@ -84,12 +85,7 @@ def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRollou
     if not isinstance(request, GroupedRolloutRequest):
         msg = f"request must be a GroupedRolloutRequest, got {type(request).__name__}"
         raise TypeError(msg)
-    if not isinstance(request.inference_interface, ReturnsRaw):
-        msg = (
-            f"{type(agent).__name__} needs an inference interface that returns raw text "
-            f"(ReturnsRaw); {type(request.inference_interface).__name__} does not"
-        )
-        raise TypeError(msg)
+    require_raw(request.inference_interface, type(agent).__name__)
     groups = request.num_groups
     tasks = agent.parallel_generation_tasks
     if groups < 1:

@@ -32,8 +32,7 @@ import attrs
 import trio
 
 from ._convert import ValidationError, dump_jsonl, structure
-from ._evaluation import Problem
-from ._models import ChatMessage
+from ._models import ChatMessage, Problem
 
 __all__ = [
     "OutputState",

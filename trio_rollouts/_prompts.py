@@ -29,7 +29,7 @@ import numpy as np
 
 from ._checks import is_int
 from ._draws import current_draws
-from ._evaluation import Problem, ProblemLike, as_problem
+from ._models import Problem, ProblemLike, as_problem
 
 __all__ = ["PromptSource"]
 

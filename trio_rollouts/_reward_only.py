@@ -22,9 +22,10 @@ import attrs
 import numpy as np
 
 from ._agents import GroupedRolloutGenerator
-from ._evaluation import Problem, gather_bounded
-from ._models import GroupedRolloutRequest, Rollout, TokenRollout
-from .inference import InferenceInterface, InferenceResponse, ReturnsRaw, ReturnsTokens
+from ._concurrency import gather_bounded
+from ._models import GroupedRolloutRequest, Problem, Rollout, TokenRollout
+from .inference import InferenceInterface, InferenceResponse, ReturnsTokens
+from .inference._interface import require_raw
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -275,12 +276,7 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         returns or raises only after all of them have exited.
         """
         interface = request.inference_interface
-        if not isinstance(interface, ReturnsRaw):
-            msg = (
-                f"{type(self).__name__} needs an inference interface that returns raw text "
-                f"(ReturnsRaw); {type(interface).__name__} does not"
-            )
-            raise TypeError(msg)
+        require_raw(interface, type(self).__name__)
         inference_request = interface.prepare_request(problem.prompt, request.generation_args)
 
         async def one() -> tuple[InferenceResponse, float]:

@@ -27,8 +27,7 @@ import trio
 from rich.console import Console
 from stamina.instrumentation import RetryHook
 
-from .._evaluation import Problem
-from .._models import GenerationArgs
+from .._models import GenerationArgs, Problem
 from .._prompt_file import PromptFileError, load_problems
 from .._reward_only import REWARD_FUNCTIONS
 from ..inference import DEFAULT_TIMEOUT, InferenceError, OpenAIInference

@@ -30,16 +30,15 @@ from rich.progress import (
 from rich.table import Table
 from stamina.instrumentation import RetryDetails
 
+from .._concurrency import gather_bounded
 from .._convert import load_jsonl, unstructure
 from .._evaluation import (
     PassAtKEvaluationAgent,
     PassAtKEvaluationResponse,
     PassAtKResult,
-    Problem,
-    gather_bounded,
     shard_indices,
 )
-from .._models import EvaluationRequest
+from .._models import EvaluationRequest, Problem
 from .._prompt_file import result_problem_id, scan_output, truncate_torn_line, write_groups
 from .._reward_only import REWARD_FUNCTIONS
 from ..inference import (

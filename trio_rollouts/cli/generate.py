@@ -29,8 +29,7 @@ from rich.progress import (
 from rich.table import Table
 from stamina.instrumentation import RetryDetails
 
-from .._evaluation import Problem
-from .._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from .._models import GroupedRolloutRequest, Problem, Rollout, RolloutGroup, TokenRollout
 from .._prompt_file import scan_output, truncate_torn_line, write_groups
 from .._prompts import PromptSource
 from .._reward_only import REWARD_FUNCTIONS, RewardOnlyAgent

@@ -19,16 +19,16 @@ import attrs
 
 from .._agents import Agent, ContrastiveRolloutGenerator
 from .._checks import int_at_least
-from .._evaluation import (
+from .._concurrency import gather_bounded
+from .._evaluation import RewardFunction, as_problem_source, problem_at, score
+from .._models import (
+    ContrastiveRollout,
+    Head2HeadRolloutRequest,
     Problem,
     ProblemLike,
-    RewardFunction,
-    as_problem_source,
-    gather_bounded,
-    problem_at,
-    score,
+    Rollout,
+    RolloutRequest,
 )
-from .._models import ContrastiveRollout, Head2HeadRolloutRequest, Rollout, RolloutRequest
 from ..inference import InferenceInterface, InferenceResponse, ReturnsRaw
 
 __all__ = ["BestWorstContrastiveGenerator", "HeadToHeadResult", "HeadToHeadRolloutGenerator"]

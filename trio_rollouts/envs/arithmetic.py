@@ -18,8 +18,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .._evaluation import Problem
-from .._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from .._models import GroupedRolloutRequest, Problem, Rollout, RolloutGroup, TokenRollout
 from .._reward_only import RewardOnlyAgent, last_number_reward
 from ..inference import InferenceResponse
 

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._models import ChatMessage, GenerationArgs
+from .._messages import ChatMessage, GenerationArgs
 from ._interface import (
     InferenceInterface,
     InferenceRequest,

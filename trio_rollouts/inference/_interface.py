@@ -17,7 +17,7 @@ from typing import Any, Self
 import attrs
 import trio
 
-from .._models import ChatMessage, GenerationArgs
+from .._messages import ChatMessage, GenerationArgs
 
 __all__ = [
     "InferenceInterface",
@@ -194,3 +194,15 @@ class InferenceInterface(abc.ABC):
             )
             raise RuntimeError(msg)
         return trio.run(self.agenerate, request)
+
+
+def require_raw(interface: object, needed_by: str) -> None:
+    """The one check that ``interface`` returns raw text (:class:`ReturnsRaw`), as the
+    grouped pipeline and the agents that build text trajectories need: ``TypeError``
+    naming who needs it and what was given."""
+    if not isinstance(interface, ReturnsRaw):
+        msg = (
+            f"{needed_by} needs an inference interface that returns raw text "
+            f"(ReturnsRaw); {type(interface).__name__} does not"
+        )
+        raise TypeError(msg)

@@ -39,7 +39,7 @@ import stamina
 import trio
 
 from .._checks import int_at_least as _int_at_least
-from .._models import ChatMessage
+from .._messages import ChatMessage
 from ._control import (
     ABORT,
     SERVER_KINDS,
