@@ -65,8 +65,8 @@ def test_bad_input_names_the_field() -> None:
 def test_the_state_is_plain_data_and_restores_the_draws_not_done() -> None:
     source = PromptSource(problems(5), seed=1)
     ids = drawn_ids(source, 3)
-    source._done(0, ids[0])
-    source._give_back(0, ids[1])  # ids[2] stays out
+    source._settle(0, ids[0], True)
+    source._settle(0, ids[1], False)  # ids[2] stays out
     state = source.state_dict()
     assert json.loads(json.dumps(state)) == state
     assert state["pending"] == [[0, ids[1]], [0, ids[2]]]
@@ -476,7 +476,7 @@ def test_given_back_draws_come_again_in_the_order_first_drawn() -> None:
         source = PromptSource(problems(6), seed=4)
         drawn = drawn_ids(source, 4)
         for i in back:
-            source._give_back(0, drawn[i])
+            source._settle(0, drawn[i], False)
         again = drawn_ids(source, 4)
         assert again == drawn
         orders.add(tuple(again))

@@ -22,6 +22,8 @@ from ._evaluation import shard_indices as shard_indices
 from ._failure import FailureBudgetExceededError as FailureBudgetExceededError
 from ._failure import FailurePolicy as FailurePolicy
 from ._failure import GroupTimeoutError as GroupTimeoutError
+from ._ledger import EnvironmentStatistics as EnvironmentStatistics
+from ._ledger import RolloutStreamStatistics as RolloutStreamStatistics
 from ._models import ChatMessage as ChatMessage
 from ._models import ContrastiveRollout as ContrastiveRollout
 from ._models import EvaluationRequest as EvaluationRequest
@@ -43,9 +45,7 @@ from ._multitask import WeightedMultiTask as WeightedMultiTask
 from ._multitask import WeightedTask as WeightedTask
 from ._prompts import PromptSource as PromptSource
 from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
-from ._stream import EnvironmentStatistics as EnvironmentStatistics
 from ._stream import RolloutStream as RolloutStream
-from ._stream import RolloutStreamStatistics as RolloutStreamStatistics
 from ._weight_update import WeightUpdate as WeightUpdate
 from .inference import TRANSIENT_ERRORS as TRANSIENT_ERRORS
 from .inference import EmbeddedInference as EmbeddedInference

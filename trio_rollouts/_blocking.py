@@ -28,8 +28,19 @@ import trio
 
 from ._agents import GroupedRolloutGenerator
 from ._concurrency import flatten_exception_groups
+from ._ledger import RolloutStreamStatistics
 from ._models import GroupedRolloutRequest, RolloutGroup
-from ._stream import RolloutStream, RolloutStreamStatistics
+from ._stream import (
+    RolloutStream,
+    enforces_order,
+    is_closed,
+    is_too_old,
+    put_back,
+    return_stale,
+    settle_handed,
+    settle_on_handover,
+    staleness_bound,
+)
 from ._weight_update import WeightUpdate
 
 if TYPE_CHECKING:
@@ -261,7 +272,7 @@ class BlockingRolloutStream:
             if isinstance(stream, RolloutStream):
                 # A prompt is done when the caller gets its group (see _handed), not
                 # when this thread takes it from the stream.
-                stream._pipeline.done_on_take = False
+                settle_on_handover(stream)
             self._stream = self._opened = stream
             # Cancelling the nursery (leaving the block) ends the weight update its task
             # holds, under the old epoch, before the pipeline closes. A group of
@@ -416,7 +427,7 @@ class BlockingRolloutStream:
         thread-safe and the pipeline's record of the group's draws is only popped."""
         stream = self._opened
         if isinstance(stream, RolloutStream):
-            stream._pipeline.settle_handed(group)
+            settle_handed(stream, group.batch_id, group.index_in_batch)
         return group
 
     def _handed_all(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
@@ -586,30 +597,24 @@ class BlockingRolloutStream:
     def _give_back_stale_kept(self, stream: RolloutStream, new_epoch: int) -> None:
         """Trio thread, as a weight update's body returns and before the epoch moves to
         ``new_epoch`` (the caller's thread waits in the update's exit)."""
-        p = stream._pipeline
-        bound = p.max_staleness
-        if bound is None or not self._held or p.closed:
+        if staleness_bound(stream) is None or not self._held or is_closed(stream):
             return
-        if all(new_epoch - group.start_epoch <= bound for group in self._held):
+        if not any(is_too_old(stream, group, new_epoch) for group in self._held):
             return
-        if stream._enforce_order:
+        if enforces_order(stream):
             # Kept groups come first in batch order: all go back to the front of the
             # stream, whose eviction at the update's exit regenerates the stale ones and
             # holds back the groups after them until their slots are filled again.
             kept = list(self._held)
             self._held.clear()
-            for group in reversed(kept):
-                p.untake(group)
-            stream._ready.extendleft(reversed(kept))
+            put_back(stream, kept)
             return
         fresh: collections.deque[RolloutGroup] = collections.deque()
         stale: list[RolloutGroup] = []
         for group in self._held:
-            (stale if new_epoch - group.start_epoch > bound else fresh).append(group)
+            (stale if is_too_old(stream, group, new_epoch) else fresh).append(group)
         self._held = fresh
-        for group in reversed(stale):  # regenerate_stale puts each slot first
-            p.untake(group)
-            p.regenerate_stale(group)
+        return_stale(stream, stale)
 
     def _require_stream(self) -> RolloutStream:
         self._raise_failure()

@@ -3,54 +3,132 @@
 ``open_grouped_rollouts(agent, request)`` is what
 :meth:`GroupedRolloutGenerator.get_grouped_rollouts` returns: an async context manager
 that runs a fixed set of worker tasks in a nursery and hands finished groups to a
-:class:`~trio_rollouts.RolloutStream` through a bounded memory channel.
+:class:`~trio_rollouts.RolloutStream` through a bounded memory channel. This module holds
+the life: the checks, the workers' loop (claim a slot, call ``group_rollout``, book the
+outcome, hand the group over) and the shutdown. Each mechanism it drives is a small
+class in a module of its own that owns its state:
+
+- ``_slots.py``, :class:`Slots`: free slots, outstanding batches, takes and take-backs,
+  and which parked worker to wake (backpressure);
+- ``_ledger.py``, :class:`Ledger`: the counters and ``statistics()``;
+- ``_gate.py``, :class:`UpdateGate`: the policy epoch, the weight-update gate, the calls
+  in flight and why an update dropped one (:class:`DropReason`), and the deadlines
+  (the fast path's watchdog, frozen while an update holds calls);
+- ``_draws.py``, :class:`DrawBook`: the prompt draws of accepted groups, settled once;
+- ``_order.py``, :class:`BatchOrder`: ``enforce_order``.
+
+The stream (``_stream.py``) takes groups through :meth:`Pipeline.taken`, the update
+block (``_weight_update.py``) drives the gate and :meth:`Pipeline.advance_epoch`, and the
+sync bridge and the Ray actor reach all of it through the functions at the end of
+``_stream.py``. Only this module's workers and those callers change the mechanisms'
+state, and only through their methods (the ledger's counters excepted, which the hot
+path adds to directly, as the ledger documents).
 
 Vocabulary. ``G = num_groups``, ``P = parallel_generation_tasks``, ``B = buffer_size``,
 ``W = P // G``. A *slot* is a ``(batch_id, index_in_batch)`` pair; a *batch* is ``G``
 slots sharing a ``batch_id``, numbered 0, 1, 2, ... in submission order.
 
-Invariants (each one is a test):
+Invariants (each one names tests that check it; files under ``tests/``):
 
 1. Checks happen before any work: a bad request raises before a task starts.
+   (``test_pipeline.py``: ``test_validation_happens_before_any_work`` and the checks
+   beside it.)
 2. A batch is *outstanding* from its submission until the consumer has *taken* its last
    group. At most ``W`` batches are outstanding (one in non-streaming mode), so at most
    ``W * G <= P`` slots exist that are not taken, and ``group_rollout`` calls in flight
    never exceed ``P``. New batches are submitted only when the consumer takes a batch's
    last group: a stalled consumer stalls generation, nothing runs ahead.
+   (``test_pipeline_properties.py``:
+   ``test_calls_in_flight_outstanding_batches_and_buffer_stay_bounded``.)
 3. At most ``B`` finished groups wait in the channel's buffer; a worker holding a finished
-   group beyond that waits in ``send``.
+   group beyond that waits in ``send``. (The same property test.)
 4. Filtering regenerates a group in its own slot, so ``batch_id`` and ``index_in_batch``
    are never reused or skipped. More than ``max_consecutive_filtered`` filtered groups in
-   a row is an error, not an endless loop.
+   a row is an error, not an endless loop. (``test_pipeline.py``:
+   ``test_filtering_with_enforce_order_keeps_batch_ids_and_finishes``,
+   ``test_endless_identical_groups_hit_the_filter_bound``.)
 5. An exception in a worker cancels the nursery, which cancels every in-flight call and
    the consumer's body; it leaves the ``async with`` as itself when it is the only
-   failure.
+   failure. (``test_failure_groups.py``; ``test_pipeline.py``:
+   ``test_an_exception_in_the_consumer_propagates_and_cancels_the_pipeline``.)
 6. Leaving the ``async with`` by any route cancels the workers first, then closes the
    channels (synchronously, so closing cannot be interrupted); when ``__aexit__``
-   returns, no task the pipeline started is alive.
-7. The ledger: every started call ends delivered, filtered, retried, skipped, raised or
-   cancelled, or is still in flight, waiting to be retried, or pending;
-   ``statistics().unaccounted`` is 0 at every instant and after every exit. A counter
-   counts what happened: a failure is retried when its next attempt starts.
+   returns, no task the pipeline started is alive. (``test_pipeline.py``:
+   ``test_no_call_starts_once_shutdown_has_begun`` and the exit tests.)
+7. The ledger: every started call ends delivered, filtered, retried, skipped, raised,
+   cancelled, restarted or stale, or is still in flight, waiting to be retried, or
+   pending; ``statistics().unaccounted`` is 0 at every instant and after every exit. A
+   counter counts what happened: a failure is retried when its next attempt starts.
+   (``test_failure.py``: ``test_the_ledger_adds_up_while_running_and_after_exit``;
+   ``test_pipeline_properties.py``: ``test_statistics_count_exactly_what_happened``;
+   ``test_weight_update_properties.py``:
+   ``test_the_ledger_adds_up_while_timed_out_calls_shut_down``.)
+8. Order: with ``enforce_order`` the consumer gets whole batches in ``batch_id`` order,
+   groups by ``index_in_batch``, with no gap, whatever is regenerated (filtered, skipped,
+   stale). (``test_pipeline_properties.py``:
+   ``test_enforce_order_delivers_whole_batches_in_batch_order``;
+   ``test_weight_update_properties.py``:
+   ``test_enforce_order_stays_gap_free_through_weight_updates``,
+   ``test_a_second_eviction_of_a_partly_released_batch_keeps_its_order``.)
+9. Staleness: with ``max_staleness`` set, no group reaches a consumer whose
+   ``start_epoch`` is more than ``max_staleness`` below the stream's policy epoch when it
+   is taken: on the local stream, through the sync bridge (a group a timed-out ``take()``
+   kept is checked again when an update's body returns) and on the Ray stream (groups
+   waiting in the merge are checked when the consumer takes them). A call the new epoch
+   makes too old is dropped (``stale``); a finished group found too old goes back to its
+   own slot, generated again before any other. ``UpdateGate.too_old`` is the one place
+   the bound is computed. (``test_weight_update.py``:
+   ``test_a_staleness_bound_cancels_calls_that_would_exceed_it``,
+   ``test_held_groups_are_taken_back_in_order_when_they_go_stale``;
+   ``test_weight_update_properties.py``: ``test_weight_updates_keep_every_invariant``;
+   ``test_blocking_weight_update.py``:
+   ``test_a_kept_group_that_an_update_makes_too_old_is_generated_again_in_its_slot``;
+   ``test_ray.py``: the staleness tests of the merged stream.)
+10. The weight-update gate: while an update's block is open no ``group_rollout`` call
+    starts; the body starts only once the calls in flight are settled for its mode and
+    every Pausable backend has paused; when the block ends, held calls start one at a
+    time in slot order; a ``keep``/``abort`` update's held time does not count against
+    ``group_timeout``; every paused backend is resumed on every route (under the new
+    epoch when the body returned, the old one otherwise), so nothing is left paused.
+    (``test_weight_update.py``: ``test_held_calls_start_in_slot_order``,
+    ``test_held_time_does_not_count_against_group_timeout``,
+    ``test_a_failing_pause_resumes_everything_under_the_old_epoch``,
+    ``test_an_update_cancelled_before_its_body_opens_the_gate``;
+    ``test_weight_update_properties.py``: every property.)
+11. Prompts, exactly once: a call's prompt draws are settled once, *done* when its group
+    is taken (or, with the bridge and Ray, handed to the caller's consumer) or
+    filtered, and *given back* (drawn again before any new problem) when the call
+    fails, times out, is cancelled, restarted or dropped, when its group goes stale, and
+    for finished groups nobody took at shutdown. (``test_prompts.py``:
+    ``test_every_prompt_of_every_epoch_is_done_once_across_kills``,
+    ``test_restarted_and_stale_calls_give_their_problems_back``,
+    ``test_a_run_killed_by_sigkill_and_restarted_takes_each_prompt_once``;
+    ``test_ray_prompts.py``.)
+12. Take-back: a group handed out and then taken back (:meth:`Pipeline.untake`: the sync
+    bridge's kept groups, the Ray merge's stale ones) is booked as if it had never been
+    taken: pending again, its batch outstanding again (whose next completion submits no
+    second batch), and it is handed out again or regenerated in its own slot.
+    (``test_blocking_weight_update.py``:
+    ``test_stale_kept_groups_of_completed_batches_keep_the_stream_gap_free``,
+    ``test_stale_kept_groups_after_a_returned_group_of_their_batch_stay_in_order``,
+    ``test_stale_kept_groups_of_one_group_batches``.)
 
 Workers are a fixed set of tasks (``W * G`` of them): a task per group or per batch would
-cost about twice the throughput in Trio. Idle workers park on a ``ParkingLot`` and are
-woken when the consumer's take submits a new batch, so submission costs no task either.
-Ordering (``enforce_order``) happens in the stream, where groups are taken.
+cost about twice the throughput in Trio. Idle workers park (``Slots.park``) and are woken
+when the consumer's take submits a new batch, so submission costs no task either.
 
-Failures (see ``_failure.py``). Without filtering or mixing, a worker makes a slot's
-first attempt itself (the *fast path*); everything else goes through
+Failures (see ``_failure.py``). Without filtering, mixing or prompt sources, a worker
+makes a slot's first attempt itself (the *fast path*); everything else goes through
 ``accepted_group``. A first attempt runs outside stamina, which is entered only after a
-transient failure. Its ``group_timeout`` is enforced by one watchdog task rather than by
-a cancel scope per call: each worker runs inside a long-lived *timer* scope, notes when
-its call started, and the watchdog cancels the timer of a call that comes due. The
-worker then leaves that timer, books a :class:`GroupTimeoutError`, and goes on in a new
-one. Retries, and attempts on the slow path, get a cancel scope each.
+transient failure. Its ``group_timeout`` is enforced by the gate's watchdog rather than
+by a cancel scope per call: each worker runs inside a long-lived *timer* scope, and the
+watchdog cancels the timer of a call that comes due. The worker then leaves that timer,
+books a :class:`GroupTimeoutError`, and goes on in a new one. Retries, and attempts on
+the slow path, get a cancel scope each.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import warnings
@@ -61,23 +139,25 @@ import stamina
 import trio
 
 from ._concurrency import describe_error, flatten_exception_groups, real_leaves
-from ._draws import Draw, current_draws, finish, give_back
+from ._draws import Draw, DrawBook, current_draws, finish, give_back
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
+from ._gate import DropReason, UpdateGate
+from ._ledger import EnvironmentCounters, Ledger
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
-from ._stream import RolloutStream
+from ._order import BatchOrder
+from ._slots import Slots
+from ._stream import RolloutStream, discard_untaken, open_stream
 from .inference import Pausable
 from .inference._interface import require_raw
 
 if TYPE_CHECKING:
     from ._agents import GroupedRolloutGenerator
 
-__all__ = ["FILTER_STD_THRESHOLD", "check_grouped_request", "open_grouped_rollouts"]
+__all__ = ["FILTER_STD_THRESHOLD", "Pipeline", "check_grouped_request", "open_grouped_rollouts"]
 
 #: A group whose rewards have a population std at or below this is "all the same".
 FILTER_STD_THRESHOLD = 1e-6
 _ROLLOUT_TYPES = frozenset({Rollout, TokenRollout})
-#: How many of the most recent errors statistics() reports.
-LAST_ERRORS_KEPT = 5
 
 
 def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
@@ -153,99 +233,50 @@ class _Dropped(BaseException):
         self.index = index
 
 
-class EnvironmentCounters:
-    """Per-environment counters of a multi-task pipeline (see EnvironmentStatistics)."""
+class Pipeline:
+    """One run of the grouped pipeline: its settings, its mechanisms, and the workers'
+    loop that drives them.
 
-    __slots__ = ("delivered", "failed", "filtered", "started")
-
-    def __init__(self) -> None:
-        self.started = 0
-        self.delivered = 0
-        self.filtered = 0
-        self.failed = 0
-
-
-class _Pipeline:
-    """The state shared by the workers and the stream. Only Trio tasks of one run touch
-    it, so plain attributes need no lock: every update happens between checkpoints."""
+    Threads: the run's Trio thread only, except :attr:`draws`, whose ``settle`` any
+    thread may call (see :class:`DrawBook`).
+    """
 
     # Slots: attribute reads on the hot path are measurably faster than through a dict.
     __slots__ = (
         "agent",
-        "blocked_senders",
         "call_draws",
-        "call_epoch",
-        "call_started",
-        "cancelled",
         "closed",
-        "coming_to_claim",
-        "completed",
         "consecutive_filtered",
-        "deadlines",
-        "delivered",
-        "done_on_take",
-        "drop_reason",
-        "env_counters",
-        "env_of_slot",
-        "epoch",
-        "failed",
+        "draws",
         "fast",
-        "filtered",
         "filtering",
-        "free_slots",
-        "frozen_at",
-        "gate_queue",
-        "gate_waiters",
+        "gate",
         "generate",
-        "group_draws",
         "group_timeout",
         "groups_left_to_send",
-        "idle_workers",
-        "in_flight",
-        "last_errors",
+        "ledger",
         "max_consecutive_filtered",
         "max_outstanding",
-        "max_staleness",
         "may_retry",
-        "mixed",
-        "next_batch_id",
         "num_groups",
-        "outstanding_batches",
+        "order",
         "park_when_idle",
         "policy",
         "policy_is_trivial",
         "prompts",
-        "raised",
         "receive_channel",
         "request",
-        "restarted",
         "result_epoch",
-        "retries",
         "send_channel",
-        "skipped",
         "skipping",
-        "stale",
-        "started",
+        "slots",
         "streaming",
-        "taken_in_batch",
-        "thawed",
         "timed",
-        "timeouts",
-        "timers",
-        "tracking",
-        "unstamped_epochs",
-        "untaken",
-        "untaken_batches",
-        "update_progress",
-        "updating",
-        "waiting_to_retry",
-        "watchdog_nap",
-        "watching",
-        "weight_updates",
-        "woken_senders",
     )
 
-    def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
+    def __init__(
+        self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest, epoch: int
+    ) -> None:
         self.agent = agent
         self.request = request
         self.num_groups = request.num_groups
@@ -254,313 +285,96 @@ class _Pipeline:
         self.max_outstanding = agent.parallel_generation_tasks // request.num_groups
         self.max_consecutive_filtered = agent.max_consecutive_filtered
         self.generate = agent._slot_generator(request)
-        # Agents that route slots to environments (multi-task) name each slot's
-        # environment; the pipeline then keeps per-environment counters.
-        self.env_of_slot = agent._slot_environment(request)
-        self.env_counters: dict[str, EnvironmentCounters] = {}
         self.send_channel, self.receive_channel = trio.open_memory_channel[RolloutGroup](
             agent.buffer_size
         )
-        self.free_slots: collections.deque[tuple[int, int]] = collections.deque()
-        self.idle_workers = trio.lowlevel.ParkingLot()
-        self.next_batch_id = 0
-        self.outstanding_batches = 0
-        self.taken_in_batch: dict[int, int] = {}
-        # Batches whose completing take was undone (untake): their next completion
-        # submits no batch.
-        self.untaken_batches: set[int] = set()
+        self.closed = False
+        workers = self.worker_count()
+        # The mechanisms (see the module docstring).
+        self.slots = Slots(request.num_groups, request.streaming)
+        self.ledger = Ledger(agent._slot_environment(request))
+        self.gate = UpdateGate(workers, epoch, request.max_staleness)
+        self.draws = DrawBook(agent._draws_prompts())
+        self.order = BatchOrder(request.num_groups) if request.enforce_order else None
         # Non-streaming: the worker that sends the batch's last group closes the channel.
         self.groups_left_to_send = request.num_groups
         self.consecutive_filtered = 0
         self.policy = agent.failure_policy
         self.policy_is_trivial = self.policy.is_trivial
-        # Prompt sources (see _prompts.py): each call's draws are recorded, and settled
-        # as done (taken, filtered) or given back (anything else). group_draws holds
-        # the draws of accepted groups not taken yet, by slot; with done_on_take false
-        # (the sync bridge) the consumer settles them when it hands a group over.
         self.prompts = agent.prompts
-        self.tracking = agent._draws_prompts()
-        self.group_draws: dict[tuple[int, int], list[Draw]] = {}
-        self.done_on_take = True
         # The fast path: the first attempt inlined in the worker (see work).
-        self.fast = not self.filtering and self.env_of_slot is None and not self.tracking
+        self.fast = (
+            not self.filtering and self.ledger.env_of_slot is None and not self.draws.tracking
+        )
         self.group_timeout = self.policy.group_timeout
         self.may_retry = self.policy.max_attempts > 1
         self.skipping = self.policy.on_failure == "skip"
-        # Deadlines of the fast path's first attempts: each worker's loop runs in a
-        # timer (a cancel scope) that the watchdog cancels when the call it is making
-        # has run for group_timeout; call_started holds when that call started (inf
-        # when the worker is not making one).
+        # Whether the gate's watchdog times the fast path's first attempts.
         self.timed = self.fast and self.group_timeout is not None
-        workers = self.worker_count()
-        self.timers: list[trio.CancelScope] = [trio.CancelScope() for _ in range(workers)]
-        self.call_started: list[float] = [math.inf] * workers
-        # Weight updates (see _weight_update.py). ``epoch`` is the stream's policy epoch;
-        # while ``updating``, no call starts (workers wait in wait_for_update).
-        # call_epoch[n] is the epoch of worker n's call in flight (None when it makes
-        # none); drop_reason[n] is set when an update cancels that call's timer to drop
-        # it ("restart" or "stale"); result_epoch[n] is the epoch of its last call that
-        # returned (the slow path's start_epoch).
-        self.epoch = 0
-        self.max_staleness = request.max_staleness
-        self.updating = False
-        # Whether calls that end must be reported to an update (``updating``, or calls
-        # it dropped have not all exited).
-        self.watching = False
-        # Calls held by an update wait in gate_waiters; when it ends they start one at a
-        # time in slot order (gate_queue), each releasing the next, so that the order in
-        # which they reach the backend is fixed (a seeded backend gives the same
-        # samples on every run of the same schedule).
-        self.gate_waiters: list[tuple[tuple[int, int], trio.Event]] = []
-        self.gate_queue: collections.deque[trio.Event] = collections.deque()
-        self.update_progress = trio.lowlevel.ParkingLot()
-        self.call_epoch: list[int | None] = [None] * workers
-        self.drop_reason: list[str | None] = [None] * workers
+        # Per worker: the epoch its last call that returned started under (the slow
+        # path's start_epoch), and that call's prompt draws.
         self.result_epoch: list[int] = [0] * workers
         self.call_draws: list[list[Draw]] = [[] for _ in range(workers)]
-        # The epochs of keep/abort updates with a backend that does not stamp where the
-        # epoch changed: a call that went on through one is counted in ``mixed``.
-        self.unstamped_epochs: list[int] = []
-        # While a keep/abort update holds calls, deadlines stand still: frozen_at is when
-        # they stopped; deadlines maps each slow-path attempt's scope to its remaining
-        # time while frozen.
-        self.frozen_at: float | None = None
-        self.thawed = trio.Event()
-        self.deadlines: dict[trio.CancelScope, float] = {}
-        self.watchdog_nap = trio.CancelScope()
-        self.closed = False
         # With a staleness bound, a group found too old when it is taken is generated
         # again in its slot: workers must outlive a non-streaming batch's last send.
-        self.park_when_idle = self.streaming or self.max_staleness is not None
-        # Wake-up accounting (see wake_workers): workers that are runnable and will look
-        # for a free slot before they next block.
-        self.coming_to_claim = 0
-        self.blocked_senders = 0
-        self.woken_senders = 0
-        # Counters for statistics(); see RolloutStreamStatistics for their meaning.
-        self.started = 0
-        self.completed = 0
-        self.filtered = 0
-        self.delivered = 0
-        self.in_flight = 0
-        self.failed = 0
-        self.retries = 0
-        self.timeouts = 0
-        self.skipped = 0
-        self.raised = 0
-        self.waiting_to_retry = 0
-        self.cancelled = 0
-        self.restarted = 0
-        self.stale = 0
-        self.mixed = 0
-        self.weight_updates = 0
-        # Accepted groups the consumer has not taken (buffered, in a sender's hands, handed
-        # to a consumer that has not run yet, or reordering): the ledger's "pending".
-        self.untaken = 0
-        self.last_errors: collections.deque[str] = collections.deque(maxlen=LAST_ERRORS_KEPT)
+        self.park_when_idle = self.streaming or request.max_staleness is not None
 
-    # ---------------------------------------------------------------- submission
+    def worker_count(self) -> int:
+        return self.max_outstanding * self.num_groups if self.streaming else self.num_groups
 
-    def submit_batch(self) -> None:
-        batch_id = self.next_batch_id
-        self.next_batch_id += 1
-        self.outstanding_batches += 1
-        self.free_slots.extend((batch_id, index) for index in range(self.num_groups))
-        self.wake_workers()
+    @property
+    def updating(self) -> bool:
+        """Whether a weight update's block is open."""
+        return self.gate.updating
 
-    def wake_workers(self) -> None:
-        """Unpark as many idle workers as there are free slots nobody is coming for.
+    # ---------------------------------------------------------------- the consumer's side
 
-        Waking a worker is the dominant per-group cost, so a slot that a runnable worker
-        will claim anyway (one just woken from ``send``, or already unparked) wakes no
-        one. Every worker calls this after claiming, so a shortfall heals itself.
-        """
-        needed = len(self.free_slots) - self.coming_to_claim
-        if needed > 0:
-            self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
-
-    def channel_received(self) -> None:
-        """Called by the stream after each receive from the channel: a receive from a full
-        buffer wakes one worker blocked in ``send``, and that worker will claim next."""
-        if self.blocked_senders > self.woken_senders:
-            self.woken_senders += 1
-            self.coming_to_claim += 1
-
-    def group_taken(self, group: RolloutGroup) -> None:
-        """Called by the stream for every group it hands to the consumer (invariant 2)."""
-        self.delivered += 1
-        self.untaken -= 1
-        if self.tracking and self.done_on_take:
-            finish(self.group_draws.pop((group.batch_id, group.index_in_batch), []))
-        if self.env_of_slot is not None:
-            self.env_counters_of(group.batch_id, group.index_in_batch).delivered += 1
-        if self.num_groups > 1:
-            taken = self.taken_in_batch.get(group.batch_id, 0) + 1
-            if taken < self.num_groups:
-                self.taken_in_batch[group.batch_id] = taken
-                return
-            del self.taken_in_batch[group.batch_id]
-        self.outstanding_batches -= 1
-        if self.streaming:
-            if self.untaken_batches and group.batch_id in self.untaken_batches:
-                # Its first completion, which untake() undid, submitted the next batch.
-                self.untaken_batches.discard(group.batch_id)
-                return
-            self.submit_batch()
+    def taken(self, group: RolloutGroup) -> None:
+        """The stream handed ``group`` to the consumer (invariant 2)."""
+        batch_id = group.batch_id
+        ledger = self.ledger
+        ledger.delivered += 1
+        ledger.pending -= 1
+        if ledger.env_of_slot is not None:
+            ledger.env(batch_id, group.index_in_batch).delivered += 1  # type: ignore[union-attr]
+        if self.draws.tracking:
+            self.draws.taken((batch_id, group.index_in_batch))
+        self.slots.taken(batch_id)
 
     def untake(self, group: RolloutGroup) -> None:
-        """Undo ``group_taken(group)``: the group is pending again, as if the stream had
-        never handed it over (the sync bridge, for a group a timed-out ``take()`` kept
-        and a weight update made too old). A batch whose completion is undone is
-        outstanding again; its next completion submits no batch, since the first did."""
-        self.delivered -= 1
-        self.untaken += 1
-        batch_id = group.batch_id
-        if self.env_of_slot is not None:
-            self.env_counters_of(batch_id, group.index_in_batch).delivered -= 1
-        if self.num_groups > 1 and batch_id in self.taken_in_batch:
-            left = self.taken_in_batch[batch_id] - 1
-            if left:
-                self.taken_in_batch[batch_id] = left
-            else:
-                del self.taken_in_batch[batch_id]
-            return
-        if self.num_groups > 1:
-            self.taken_in_batch[batch_id] = self.num_groups - 1
-        self.outstanding_batches += 1
-        if self.streaming:
-            self.untaken_batches.add(batch_id)
-
-    # ---------------------------------------------------------------- weight updates
-
-    async def wait_for_update(self, batch_id: int, index: int) -> None:
-        """Hold the call of slot ``(batch_id, index)``, about to start, until the weight
-        update is over (see ``open_gate``)."""
-        while self.updating:
-            released = trio.Event()
-            self.gate_waiters.append(((batch_id, index), released))
-            await released.wait()
-            # Before this call starts (and runs to its first checkpoint), let the next
-            # one go: it runs only once this one has yielded.
-            self.release_next_call()
-
-    def open_gate(self) -> None:
-        """End an update's hold: the held calls start one by one, in slot order."""
-        self.updating = False
-        self.gate_waiters.sort(key=lambda waiter: waiter[0])
-        self.gate_queue.extend(released for _, released in self.gate_waiters)
-        self.gate_waiters.clear()
-        self.release_next_call()
-
-    def release_next_call(self) -> None:
-        if self.gate_queue:
-            self.gate_queue.popleft().set()
-
-    def drop_calls(self, reason: str, older_than: int | None) -> int:
-        """Cancel the calls in flight (those that started before epoch ``older_than``,
-        or all of them when it is ``None``) to be generated again; return how many."""
-        dropped = 0
-        for number, epoch in enumerate(self.call_epoch):
-            if epoch is None or self.drop_reason[number] is not None:
-                continue
-            if older_than is not None and epoch >= older_than:
-                continue
-            self.drop_reason[number] = reason
-            self.timers[number].cancel()
-            dropped += 1
-        return dropped
-
-    def dropping(self) -> bool:
-        """Whether a call that an update dropped has not exited yet."""
-        return any(reason is not None for reason in self.drop_reason)
-
-    def call_ended_in_update(self, number: int) -> bool:
-        """Worker ``number``'s call ended while an update waits for calls to end: wake
-        the update, and book the call if the update dropped it (returns True)."""
-        self.update_progress.unpark_all()
-        reason = self.drop_reason[number]
-        if reason is None:
-            return False
-        self.drop_reason[number] = None
-        if reason == "restart":
-            self.restarted += 1
-        else:
-            self.stale += 1
-        if not self.updating and not self.dropping():
-            self.watching = False  # an update cancelled before its body left drops
-        return True
-
-    def count_spanning(self, start_epoch: int) -> None:
-        """A call that started under ``start_epoch`` returned under a later epoch: it went
-        on through a keep/abort update. When a backend of such an update does not stamp
-        where the epoch changed, its group is counted in ``mixed``."""
-        if any(start_epoch < epoch <= self.epoch for epoch in self.unstamped_epochs):
-            self.mixed += 1
-
-    def calls_in_flight(self) -> list[int]:
-        return [number for number, epoch in enumerate(self.call_epoch) if epoch is not None]
-
-    def freeze_deadlines(self) -> None:
-        """Stop the clocks of the calls in flight (a keep/abort update holds them)."""
-        now = trio.current_time()
-        self.frozen_at = now
-        self.thawed = trio.Event()
-        self.watchdog_nap.cancel()
-        for scope in self.deadlines:
-            self.deadlines[scope] = scope.deadline - now
-            scope.deadline = math.inf
-
-    def thaw_deadlines(self) -> None:
-        """Start the clocks again, less the time they stood still."""
-        if self.frozen_at is None:
-            return
-        now = trio.current_time()
-        held = now - self.frozen_at
-        self.frozen_at = None
-        started = self.call_started
-        for number, start in enumerate(started):
-            if start != math.inf:
-                started[number] = start + held
-        for scope, remaining in self.deadlines.items():
-            scope.deadline = now + remaining
-        self.thawed.set()
-
-    def is_stale(self, group: RolloutGroup) -> bool:
-        bound = self.max_staleness
-        return bound is not None and self.epoch - group.start_epoch > bound
-
-    def settle_handed(self, group: RolloutGroup) -> None:
-        """A consumer that settles draws itself (``done_on_take`` false: the sync
-        bridge) handed ``group`` over: its prompt draws are done. Thread-safe: one
-        atomic pop."""
-        self.settle_slot(group.batch_id, group.index_in_batch)
-
-    def settle_slot(self, batch_id: int, index: int) -> None:
-        """The group taken from slot ``(batch_id, index)`` reached its consumer (a Ray
-        actor's driver): its prompt draws are done. Thread-safe; a slot settled twice
-        or unknown is ignored."""
-        if self.tracking:
-            finish(self.group_draws.pop((batch_id, index), []))
+        """Undo :meth:`taken` (invariant 12): the group is pending again, as if the stream
+        had never handed it over."""
+        self.ledger.untaken(group.batch_id, group.index_in_batch)
+        self.slots.untake(group.batch_id)
 
     def regenerate_stale(self, group: RolloutGroup) -> None:
-        """A finished group that is too old to hand over: drop it and generate its slot
-        again, before any other free slot."""
-        self.untaken -= 1
-        self.stale += 1
-        if self.tracking:
-            give_back(self.group_draws.pop((group.batch_id, group.index_in_batch), []))
-        self.free_slots.appendleft((group.batch_id, group.index_in_batch))
-        self.wake_workers()
+        """A finished, untaken group is too old to hand over (invariant 9): drop it and
+        generate its slot again, before any other free slot."""
+        self.ledger.pending -= 1
+        self.ledger.stale += 1
+        slot = (group.batch_id, group.index_in_batch)
+        self.draws.give_back(slot)
+        self.slots.put_first(*slot)
+
+    def advance_epoch(self, epoch: int, *, stamped: bool) -> None:
+        """A weight update's body returned: calls start under ``epoch`` from now on, and
+        groups held for ordering that are now too old go back to their slots (groups in
+        the channel are checked when they are pulled)."""
+        gate = self.gate
+        gate.advance(epoch, stamped)
+        self.ledger.weight_updates += 1
+        if self.order is not None and gate.max_staleness is not None:
+            self.order.evict(gate.too_old, self.regenerate_stale)
 
     # ---------------------------------------------------------------- workers
 
     async def worker(self, number: int) -> None:
-        """Worker ``number``'s life: its loop runs inside its timer (see ``watchdog``),
-        and starts again in a new timer each time the watchdog, or a weight update, has
-        cancelled one."""
+        """Worker ``number``'s life: its loop runs inside its timer (see
+        ``UpdateGate.watchdog``), and starts again in a new timer each time the watchdog,
+        or a weight update, has cancelled one."""
         resume: _Resume | None = None
         while True:
-            timer = self.timers[number] = trio.CancelScope()
+            timer = self.gate.new_timer(number)
             try:
                 with timer:
                     resume = await self.work(number, timer, resume)
@@ -578,6 +392,10 @@ class _Pipeline:
         """Claim slots, generate their groups and hand them over, until there is nothing
         left to claim (``None``) or ``timer`` was cancelled (what the worker was doing
         when it was, to be finished in a new timer)."""
+        ledger = self.ledger
+        gate = self.gate
+        slots = self.slots
+        timed = self.timed
         while True:
             if resume is not None:
                 batch_id, index, late = resume
@@ -593,49 +411,46 @@ class _Pipeline:
                     # shutdown (as a call under a cancel scope of its own would), not in
                     # a failure to retry, skip or raise. It is booked as cancelled while
                     # the checkpoint may yield, so that the ledger adds up meanwhile.
-                    self.cancelled += 1
+                    ledger.cancelled += 1
                     await trio.lowlevel.checkpoint_if_cancelled()
-                    self.cancelled -= 1
+                    ledger.cancelled -= 1
                     self.call_raised(late, None)
                     group = await self.after_failure(batch_id, index, late, number)
             else:
                 # A worker released from send during shutdown must not start a new call
                 # (this does not yield unless cancelled).
                 await trio.lowlevel.checkpoint_if_cancelled()
-                if not self.free_slots:
+                slot = slots.claim()
+                if slot is None:
                     if not self.park_when_idle:
                         return None
-                    await self.idle_workers.park()
-                    self.coming_to_claim -= 1
+                    await slots.park()
                     continue
-                batch_id, index = self.free_slots.popleft()
-                self.wake_workers()
+                batch_id, index = slot
                 if not self.fast:
                     group = await self.accepted_group(batch_id, index, number)
                 else:
-                    # The common case (no filtering, one environment): the first attempt
-                    # inlined, since every coroutine layer between the worker and
-                    # group_rollout costs on each resume, and timed by the watchdog
-                    # rather than by a cancel scope of its own, which costs more than
-                    # the rest of a group's trip through the pipeline.
-                    if self.updating:
-                        await self.wait_for_update(batch_id, index)
-                    epoch = self.epoch
-                    self.started += 1
-                    self.in_flight += 1
-                    self.call_epoch[number] = epoch
-                    if self.timed:
-                        self.call_started[number] = trio.current_time()
+                    # The common case (no filtering, one environment, no prompt source):
+                    # the first attempt inlined, since every coroutine layer between the
+                    # worker and group_rollout costs on each resume, and timed by the
+                    # watchdog rather than by a cancel scope of its own, which costs
+                    # more than the rest of a group's trip through the pipeline.
+                    if gate.updating:
+                        await gate.wait(slot)
+                    ledger.started += 1
+                    ledger.in_flight += 1
+                    epoch = gate.begin(number, timed)
                     failure: BaseException | None = None
                     try:
                         result = await self.generate(batch_id, index)
                     except BaseException as exc:
-                        self.in_flight -= 1
-                        self.call_epoch[number] = None
-                        if self.timed:
-                            self.call_started[number] = math.inf
-                        if self.watching and self.call_ended_in_update(number):
-                            return (batch_id, index, None)  # dropped by the update
+                        ledger.in_flight -= 1
+                        if timed:
+                            gate.stop_clock(number)
+                        reason = gate.end(number)
+                        if reason is not None:
+                            self.book_dropped(reason)
+                            return (batch_id, index, None)
                         if timer.cancel_called:
                             # The watchdog's deadline: leave the timer before anything
                             # that could checkpoint, and go on in a new one.
@@ -649,25 +464,26 @@ class _Pipeline:
                             raise  # cancelled at shutdown
                         failure = exc
                     else:
-                        self.in_flight -= 1
-                        self.call_epoch[number] = None
-                        if self.watching and self.call_ended_in_update(number):
+                        ledger.in_flight -= 1
+                        reason = gate.end(number)
+                        if reason is not None:
                             # Returned after the update cancelled it: dropped all the
                             # same.
-                            if self.timed:
-                                self.call_started[number] = math.inf
+                            if timed:
+                                gate.stop_clock(number)
+                            self.book_dropped(reason)
                             return (batch_id, index, None)
-                        if self.timed and self.overdue(number, timer):
+                        if timed and gate.overdue(number, timer, self.group_timeout):  # type: ignore[arg-type]
                             # Returned at or after its deadline: a timeout, as under a
-                            # cancel scope of its own (see attempt).
+                            # cancel scope of its own (see untracked_attempt).
                             failure = self.timeout_error(batch_id, index)
                             if timer.cancel_called:
                                 return (batch_id, index, failure)
                             self.call_raised(failure, None)
                         else:
-                            self.completed += 1
-                            if epoch != self.epoch:
-                                self.count_spanning(epoch)
+                            ledger.completed += 1
+                            if epoch != gate.epoch and gate.spans_unstamped(epoch):
+                                ledger.mixed += 1
                     if failure is None:
                         group = self.checked_group(result, batch_id, index, None, epoch)
                     else:
@@ -675,75 +491,47 @@ class _Pipeline:
                         # chained to this one.
                         group = await self.after_failure(batch_id, index, failure, number)
                         del failure
-            self.untaken += 1
-            if self.blocked_senders > self.woken_senders:
-                full = True  # senders already wait: the buffer has no room
-            else:
-                # The buffer may have room: skip send's schedule point, a measurable share
-                # of the per-group cost in Trio. The loop still cannot spin: it claims only
-                # slots the consumer's takes submitted, and parks when there are none.
-                try:
-                    self.send_channel.send_nowait(group)
-                    full = False
-                except trio.WouldBlock:
-                    full = True
-            if full:
-                self.blocked_senders += 1
-                try:
-                    await self.send_channel.send(group)
-                except trio.Cancelled:
-                    self.untaken -= 1
-                    self.cancelled += 1  # a finished group nobody took
-                    raise
-                finally:
-                    self.blocked_senders -= 1
-                # Woken by a receive (counted in channel_received), not cancelled.
-                self.woken_senders -= 1
-                self.coming_to_claim -= 1
-            if not self.park_when_idle:
-                self.groups_left_to_send -= 1
-                if self.groups_left_to_send == 0:
-                    self.send_channel.close()
+            await self.hand_over(group)
 
-    def overdue(self, number: int, timer: trio.CancelScope) -> bool:
-        """Whether worker ``number``'s call, which just returned, ran into its deadline
-        (and end its timing)."""
-        due = self.call_started[number] + self.group_timeout  # type: ignore[operator]
-        self.call_started[number] = math.inf
-        # While a keep/abort update holds calls, their clocks stand still.
-        now = trio.current_time() if self.frozen_at is None else self.frozen_at
-        return timer.cancel_called or now >= due
+    async def hand_over(self, group: RolloutGroup) -> None:
+        """Put an accepted group in the channel (invariant 3: it waits in ``send`` while
+        the buffer is full).
 
-    async def watchdog(self) -> None:
-        """Enforce ``group_timeout`` on the first attempts of the fast path: cancel the
-        timer of every worker whose call has run for ``group_timeout`` seconds.
-
-        A cancel scope per call would cost more than the rest of a group's trip through
-        the pipeline; this costs a clock read per call and one scan of the workers per
-        deadline that comes due (at least one per ``group_timeout`` seconds). A worker
-        whose timer was cancelled leaves it at once and books the call as a
-        :class:`GroupTimeoutError`, as ``attempt`` does under its own deadline.
+        Cancellation: cancelled while it waits, the group is booked as cancelled (a
+        finished group nobody took) and ``Cancelled`` propagates.
         """
-        timeout = self.group_timeout
-        if timeout is None:  # pragma: no cover - started only with a deadline
-            return
-        started = self.call_started
-        while True:
-            if self.frozen_at is not None:
-                # A keep/abort update holds the calls: their time does not count.
-                await self.thawed.wait()
-                continue
-            now = trio.current_time()
-            wake = now + timeout
-            for number, start in enumerate(started):
-                due = start + timeout
-                if due <= now:
-                    started[number] = math.inf
-                    self.timers[number].cancel()
-                elif due < wake:
-                    wake = due
-            with trio.CancelScope() as self.watchdog_nap:
-                await trio.sleep_until(wake)
+        ledger = self.ledger
+        slots = self.slots
+        ledger.pending += 1
+        if slots.blocked_senders > slots.woken_senders:
+            full = True  # senders already wait: the buffer has no room
+        else:
+            # The buffer may have room: skip send's schedule point, a measurable share of
+            # the per-group cost in Trio. The loop still cannot spin: it claims only
+            # slots the consumer's takes submitted, and parks when there are none.
+            try:
+                self.send_channel.send_nowait(group)
+                full = False
+            except trio.WouldBlock:
+                full = True
+        if full:
+            try:
+                await slots.send(self.send_channel, group)
+            except trio.Cancelled:
+                ledger.pending -= 1
+                ledger.cancelled += 1  # a finished group nobody took
+                raise
+        if not self.park_when_idle:
+            self.groups_left_to_send -= 1
+            if self.groups_left_to_send == 0:
+                self.send_channel.close()
+
+    def book_dropped(self, reason: DropReason) -> None:
+        """Book a call that a weight update dropped (its slot is generated again)."""
+        if reason is DropReason.RESTART:
+            self.ledger.restarted += 1
+        else:
+            self.ledger.stale += 1
 
     async def after_failure(
         self, batch_id: int, index: int, failure: BaseException, number: int
@@ -751,7 +539,7 @@ class _Pipeline:
         """The slow path of a slot whose first attempt failed (booked as failed already):
         retry it, skip it or raise, as the policy says."""
         if not isinstance(failure, Exception):
-            self.raised += 1
+            self.ledger.raised += 1
             raise failure
         try:
             if not self.may_retry or not self.policy.is_transient(failure):
@@ -759,7 +547,7 @@ class _Pipeline:
             result = await self.retried(failure, batch_id, index, None, number)
         except Exception as exc:
             if not self.skipping:
-                self.raised += 1
+                self.ledger.raised += 1
                 raise
             self.skip(exc, batch_id, index)
         else:
@@ -778,7 +566,8 @@ class _Pipeline:
     async def accepted_group(self, batch_id: int, index: int, number: int) -> RolloutGroup:
         """Generate the group of one slot: regenerate it while it is filtered or skipped,
         retry it while it fails transiently (see FailurePolicy)."""
-        env = None if self.env_of_slot is None else self.env_counters_of(batch_id, index)
+        ledger = self.ledger
+        env = ledger.env(batch_id, index)
         while True:
             try:
                 if self.policy_is_trivial:
@@ -787,24 +576,24 @@ class _Pipeline:
                     result = await self.attempts(batch_id, index, env, number)
             except Exception as exc:
                 if not self.skipping:
-                    self.raised += 1
+                    ledger.raised += 1
                     raise
                 self.skip(exc, batch_id, index)
                 # A loop of instantly failing calls must stay cancellable.
                 await trio.lowlevel.checkpoint()
                 continue
-            draws = self.call_draws[number] if self.tracking else None
+            draws = self.call_draws[number] if self.draws.tracking else None
             group = self.checked_group(
                 result, batch_id, index, env, self.result_epoch[number], draws
             )
             if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
                 self.consecutive_filtered = 0
                 if draws:
-                    self.group_draws[(batch_id, index)] = draws
+                    self.draws.accepted((batch_id, index), draws)
                 return group
             if draws:
                 finish(draws)  # filtered: done for this epoch, not trained
-            self.filtered += 1
+            ledger.filtered += 1
             if env is not None:
                 env.filtered += 1
             self.consecutive_filtered += 1
@@ -826,7 +615,7 @@ class _Pipeline:
         """``untracked_attempt``, recording the call's prompt draws (in
         ``call_draws[number]``) when the agent draws prompts: they are given back unless
         the call returned."""
-        if not self.tracking:
+        if not self.draws.tracking:
             return await self.untracked_attempt(batch_id, index, env, number)
         draws: list[Draw] = []
         token = current_draws.set(draws)
@@ -852,12 +641,13 @@ class _Pipeline:
         only propagate and is booked as raised here. A call that a weight update drops
         is booked as restarted or stale and raises :class:`_Dropped`.
         """
-        if self.updating:
-            await self.wait_for_update(batch_id, index)
-        epoch = self.epoch
-        self.started += 1
-        self.in_flight += 1
-        self.call_epoch[number] = epoch
+        ledger = self.ledger
+        gate = self.gate
+        if gate.updating:
+            await gate.wait((batch_id, index))
+        ledger.started += 1
+        ledger.in_flight += 1
+        epoch = gate.begin(number, False)
         if env is not None:
             env.started += 1
         try:
@@ -865,31 +655,33 @@ class _Pipeline:
                 result = await self.generate(batch_id, index)
             else:
                 with trio.move_on_after(self.group_timeout) as deadline:
-                    self.deadlines[deadline] = math.inf
+                    gate.register(deadline)
                     try:
                         result = await self.generate(batch_id, index)
                     finally:
-                        del self.deadlines[deadline]
+                        gate.unregister(deadline)
                 # A call still running at its deadline is cancelled, and one that
                 # returns at or after it (running without a checkpoint) is late too.
                 if deadline.cancelled_caught or trio.current_time() >= deadline.deadline:
                     raise self.timeout_error(batch_id, index)
         except BaseException as exc:
-            self.in_flight -= 1
-            self.call_epoch[number] = None
-            if self.watching and self.call_ended_in_update(number):
+            ledger.in_flight -= 1
+            reason = gate.end(number)
+            if reason is not None:
+                self.book_dropped(reason)
                 raise _Dropped(batch_id, index) from None
             if self.call_raised(exc, env) and not isinstance(exc, Exception):
-                self.raised += 1
+                ledger.raised += 1
             raise
-        self.in_flight -= 1
-        self.call_epoch[number] = None
-        if self.watching and self.call_ended_in_update(number):
+        ledger.in_flight -= 1
+        reason = gate.end(number)
+        if reason is not None:
+            self.book_dropped(reason)
             raise _Dropped(batch_id, index)
-        self.completed += 1
+        ledger.completed += 1
         self.result_epoch[number] = epoch
-        if epoch != self.epoch:
-            self.count_spanning(epoch)
+        if epoch != gate.epoch and gate.spans_unstamped(epoch):
+            ledger.mixed += 1
         return result
 
     async def attempts(
@@ -928,7 +720,8 @@ class _Pipeline:
         pipeline shuts down then, ``cancelled``.
         """
         policy = self.policy
-        self.waiting_to_retry += 1
+        ledger = self.ledger
+        ledger.waiting_to_retry += 1
         waiting = True
         try:
             async for attempt in stamina.retry_context(
@@ -943,34 +736,32 @@ class _Pipeline:
                     if attempt.num == 1:
                         raise first
                     waiting = False
-                    self.waiting_to_retry -= 1
-                    self.retries += 1
+                    ledger.waiting_to_retry -= 1
+                    ledger.retries += 1
                     try:
                         return await self.attempt(batch_id, index, env, number)
                     except Exception:
                         waiting = True
-                        self.waiting_to_retry += 1
+                        ledger.waiting_to_retry += 1
                         raise
         except BaseException as exc:
             if waiting and not isinstance(exc, Exception):
                 # Cancelled while waiting out the backoff: the slot is abandoned at
                 # shutdown, as a call in flight would be.
-                self.cancelled += 1
+                ledger.cancelled += 1
             raise
         finally:
             if waiting:
-                self.waiting_to_retry -= 1
+                ledger.waiting_to_retry -= 1
         msg = "stamina ended the attempts without a result or an error"  # pragma: no cover
         raise RuntimeError(msg)  # pragma: no cover
 
     def call_raised(self, exc: BaseException, env: EnvironmentCounters | None) -> bool:
         """Book a call that raised: cancelled at shutdown, or failed (returns True)."""
         if _is_cancellation(exc):
-            self.cancelled += 1
+            self.ledger.cancelled += 1
             return False
-        self.count_failure(exc, env)
-        if isinstance(exc, GroupTimeoutError):
-            self.timeouts += 1
+        self.ledger.failure(exc, env)
         return True
 
     def checked_group(
@@ -992,8 +783,8 @@ class _Pipeline:
         except Exception as exc:
             if draws:
                 give_back(draws)
-            self.count_failure(exc, env)
-            self.raised += 1  # a broken contract is never retried or skipped
+            self.ledger.failure(exc, env)
+            self.ledger.raised += 1  # a broken contract is never retried or skipped
             raise
 
     def check_draws(
@@ -1002,7 +793,7 @@ class _Pipeline:
         """A call draws one prompt (from an agent's ``prompts``), and its rollouts are
         about that problem."""
         if len(draws) > 1:
-            ids = ", ".join(repr(problem_id) for _, _, problem_id in draws)
+            ids = ", ".join(repr(draw.problem_id) for draw in draws)
             msg = (
                 f"{self.where(batch_id, index)} drew {len(draws)} prompts ({ids}); a call "
                 "must draw exactly one (self.prompts.draw() once per group)"
@@ -1017,7 +808,7 @@ class _Pipeline:
                 )
                 raise ValueError(msg)
             return
-        problem_id = draws[0][2]
+        problem_id = draws[0].problem_id
         for i, rollout in enumerate(group):
             if rollout.problem_id is not None and rollout.problem_id != problem_id:
                 msg = (
@@ -1026,25 +817,20 @@ class _Pipeline:
                 )
                 raise ValueError(msg)
 
-    def count_failure(self, exc: BaseException, env: EnvironmentCounters | None) -> None:
-        self.failed += 1
-        if env is not None:
-            env.failed += 1
-        self.last_errors.append(describe_error(exc))
-
     def skip(self, exc: Exception, batch_id: int, index: int) -> None:
         """Give up on the slot's current group (on_failure="skip"); it is generated anew."""
-        self.skipped += 1
-        if self.skipped > self.policy.skip_budget:
+        ledger = self.ledger
+        ledger.skipped += 1
+        if ledger.skipped > self.policy.skip_budget:
             # The failure itself, not the exception groups of the agent's nurseries.
             leaves = real_leaves(exc)
             last = leaves[0] if len(leaves) == 1 else exc
             msg = (
-                f"{self.skipped} groups failed and were skipped, more than skip_budget="
+                f"{ledger.skipped} groups failed and were skipped, more than skip_budget="
                 f"{self.policy.skip_budget}; last error, at {self.where(batch_id, index)}: "
                 f"{describe_error(exc)}"
             )
-            raise FailureBudgetExceededError(msg, skipped=self.skipped, last_error=last) from last
+            raise FailureBudgetExceededError(msg, skipped=ledger.skipped, last_error=last) from last
 
     def make_group(
         self, result: object, batch_id: int, index: int, start_epoch: int
@@ -1084,41 +870,31 @@ class _Pipeline:
     def where(self, batch_id: int, index: int) -> str:
         return f"{type(self.agent).__name__}.group_rollout (batch_id={batch_id}, index={index})"
 
-    def env_counters_of(self, batch_id: int, index: int) -> EnvironmentCounters:
-        env_id = self.env_of_slot(batch_id, index)  # type: ignore[misc]  # checked by callers
-        counters = self.env_counters.get(env_id)
-        if counters is None:
-            counters = self.env_counters[env_id] = EnvironmentCounters()
-        return counters
-
-    def worker_count(self) -> int:
-        return self.max_outstanding * self.num_groups if self.streaming else self.num_groups
-
 
 @contextlib.asynccontextmanager
 async def open_grouped_rollouts(
     agent: GroupedRolloutGenerator, request: GroupedRolloutRequest
 ) -> AsyncIterator[RolloutStream]:
     """Run the pipeline for the duration of an ``async with``; see the module docstring."""
-    pipeline = _Pipeline(agent, request)
-    stream = RolloutStream._from_pipeline(pipeline)
     interface = request.inference_interface
     if request.initial_epoch is None:
-        pipeline.epoch = interface.policy_epoch if isinstance(interface, Pausable) else 0
+        epoch = interface.policy_epoch if isinstance(interface, Pausable) else 0
     else:
-        pipeline.epoch = request.initial_epoch
+        epoch = request.initial_epoch
         if isinstance(interface, Pausable):
             await interface.resume(request.initial_epoch)
+    pipeline = Pipeline(agent, request, epoch)
+    stream = open_stream(pipeline)
     consumer_errors: list[BaseException] = []  # the body's own exception is not flattened
     with flatten_exception_groups(consumer_errors), pipeline.send_channel, pipeline.receive_channel:
         try:
             async with trio.open_nursery() as nursery:
                 for _ in range(pipeline.max_outstanding if request.streaming else 1):
-                    pipeline.submit_batch()
+                    pipeline.slots.submit_batch()
                 for number in range(pipeline.worker_count()):
                     nursery.start_soon(pipeline.worker, number)
                 if pipeline.timed:
-                    nursery.start_soon(pipeline.watchdog)
+                    nursery.start_soon(pipeline.gate.watchdog, pipeline.group_timeout)
                 try:
                     yield stream
                 except BaseException as exc:
@@ -1129,11 +905,7 @@ async def open_grouped_rollouts(
                     nursery.cancel_scope.cancel()
         finally:
             pipeline.closed = True
-            # Prompts of finished groups nobody took are drawn again.
-            for draws in list(pipeline.group_draws.values()):
-                give_back(draws)
-            pipeline.group_draws.clear()
-            # The ledger: finished groups nobody took end as cancelled at shutdown.
-            discarded = stream._discard_untaken()
-            pipeline.untaken -= discarded
-            pipeline.cancelled += discarded
+            # Prompts of finished groups nobody took are drawn again (invariant 11), and
+            # those groups end as cancelled at shutdown (invariant 7).
+            pipeline.draws.give_back_all()
+            pipeline.ledger.discarded(discard_untaken(stream))

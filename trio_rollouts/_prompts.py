@@ -28,7 +28,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._checks import is_int
-from ._draws import current_draws
+from ._draws import Draw, current_draws
 from ._models import Problem, ProblemLike, as_problem
 
 __all__ = ["PromptSource"]
@@ -170,18 +170,17 @@ class PromptSource:
             self._out[key] = None
         draws = current_draws.get()
         if draws is not None:
-            draws.append((self, key[0], key[1]))
+            draws.append(Draw(self._settle, key[0], key[1]))
         return self._problems[self._index[key[1]]]
 
-    def _done(self, epoch: int, problem_id: str) -> None:
-        with self._lock:
-            self._out.pop((epoch, problem_id), None)
-
-    def _give_back(self, epoch: int, problem_id: str) -> None:
+    def _settle(self, epoch: int, problem_id: str, done: bool) -> None:
+        """A draw of ours is settled: done, or given back to be drawn again first."""
         with self._lock:
             key = (epoch, problem_id)
-            if key in self._out:
-                del self._out[key]
+            if key not in self._out:
+                return
+            del self._out[key]
+            if not done:
                 bisect.insort(self._again, (epoch, self._rank(epoch, problem_id), problem_id))
 
     def _rank(self, epoch: int, problem_id: str) -> int:

@@ -92,10 +92,11 @@ from ._blocking import (
     _hold_in,
 )
 from ._concurrency import flatten_exception_groups
+from ._ledger import EnvironmentStatistics, RolloutStreamStatistics
 from ._models import GroupedRolloutRequest, RolloutGroup
-from ._pipeline import _Pipeline, check_grouped_request
+from ._pipeline import check_grouped_request
 from ._prompts import PromptSource
-from ._stream import EnvironmentStatistics, RolloutStream, RolloutStreamStatistics, drain_ready
+from ._stream import RolloutStream, drain_ready, settle_handed, settle_on_handover
 from ._weight_update import WeightUpdate, checked_epoch, checked_mode
 from .inference import InferenceInterface, WeightUpdateMode
 
@@ -253,7 +254,7 @@ class RolloutActor:
         self._stream: RolloutStream | None = None
         self._agent: GroupedRolloutGenerator | None = None
         # The open pipeline, when its agent draws prompts and the caller settles them.
-        self._settled_pipeline: _Pipeline | None = None
+        self._settled_pipeline: RolloutStream | None = None
         self._caller_settles = False
         self._stop_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None  # holds weight updates open
@@ -336,13 +337,14 @@ class RolloutActor:
             self._token = trio.lowlevel.current_trio_token()
             async with pipeline as stream:
                 self._stream = stream
-                if self._caller_settles and isinstance(stream, RolloutStream):
-                    core = stream._pipeline
-                    if core.tracking:
-                        # A group served to the merge may wait there, and be lost at a
-                        # crash: its draw is done when settle() says it was handed on.
-                        core.done_on_take = False
-                        self._settled_pipeline = core
+                # A group served to the merge may wait there, and be lost at a crash:
+                # its draw is done when settle() says it was handed on.
+                if (
+                    self._caller_settles
+                    and isinstance(stream, RolloutStream)
+                    and settle_on_handover(stream)
+                ):
+                    self._settled_pipeline = stream
                 # Weight updates are held open by tasks of this nursery: cancelling it
                 # (stop) ends them under the old epoch before the pipeline closes.
                 with flatten_exception_groups():
@@ -454,11 +456,11 @@ class RolloutActor:
         atomic pop of the pipeline's record of the group's draws, then the thread-safe
         source's books).
         """
-        core = self._settled_pipeline
-        if core is None:
+        stream = self._settled_pipeline
+        if stream is None:
             return
         for batch_id, index in slots:
-            core.settle_slot(batch_id, index)
+            settle_handed(stream, batch_id, index)
 
     def prompts_state(self, slots: list[tuple[int, int]] | None = None) -> dict[str, Any]:
         """:meth:`settle` ``slots``, then return the agent's ``prompts.state_dict()``

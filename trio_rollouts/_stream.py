@@ -1,30 +1,46 @@
 """The consumer's side of the grouped pipeline: :class:`RolloutStream`.
 
 A stream hands out the groups the pipeline's workers finished, in completion order or,
-with ``enforce_order``, as whole batches in ``batch_id`` order. Reordering happens here,
-where groups are taken, so it costs no task. Taking a group is what frees generation
-capacity: the pipeline submits a new batch only when the consumer has taken the last
-group of an outstanding one.
+with ``enforce_order``, as whole batches in ``batch_id`` order (``_order.py``), taking
+each through the pipeline's books (``Pipeline.taken``): taking a group is what frees
+generation capacity. A group too old for ``max_staleness`` when it is taken is never
+handed out: its slot is generated again.
+
+The functions after the class are the stream's side for the sync bridge and the Ray
+actor, which hold a stream in the Trio thread they run and reach it only through them.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import attrs
 import trio
 
+from ._ledger import RolloutStreamStatistics
 from ._models import RolloutGroup
+from ._order import BatchOrder
 from ._weight_update import WeightUpdate, open_weight_update
 
 if TYPE_CHECKING:
-    from ._pipeline import _Pipeline
+    from ._pipeline import Pipeline
     from .inference import InferenceInterface, WeightUpdateMode
 
-__all__ = ["EnvironmentStatistics", "RolloutStream", "RolloutStreamStatistics"]
+__all__ = [
+    "RolloutStream",
+    "discard_untaken",
+    "drain_ready",
+    "enforces_order",
+    "is_closed",
+    "is_too_old",
+    "open_stream",
+    "put_back",
+    "return_stale",
+    "settle_handed",
+    "settle_on_handover",
+    "staleness_bound",
+]
 
 
 def drain_ready(try_next: Callable[[], RolloutGroup | None], n: int) -> list[RolloutGroup]:
@@ -39,110 +55,6 @@ def drain_ready(try_next: Callable[[], RolloutGroup | None], n: int) -> list[Rol
     return groups
 
 
-@attrs.frozen(kw_only=True)
-class EnvironmentStatistics:
-    """One environment's share of a multi-task pipeline's counters (same meanings as in
-    :class:`RolloutStreamStatistics`)."""
-
-    started: int
-    delivered: int
-    filtered: int
-    failed: int
-
-
-@attrs.frozen(kw_only=True)
-class RolloutStreamStatistics:
-    """A snapshot of a pipeline's counters, as :meth:`RolloutStream.statistics` returns.
-
-    - ``started``: ``group_rollout`` calls started (regenerations included).
-    - ``completed``: calls that returned a group.
-    - ``filtered``: completed groups dropped by ``filter_groups_with_same_reward``.
-    - ``delivered``: groups the consumer has taken.
-    - ``in_flight``: calls running now (never more than ``parallel_generation_tasks``).
-    - ``buffered``: finished groups waiting in the stream's buffer (at most
-      ``buffer_size``).
-    - ``reordering``: groups taken out of the buffer but held back by ``enforce_order``
-      until their batch is next and complete.
-    - ``failed``: calls that raised or broke the group contract (timeouts included;
-      cancellations at shutdown are not failures).
-    - ``retries``: failed calls that were retried in their slot, counted when the next
-      attempt starts (never when a retry was merely expected).
-    - ``waiting_to_retry``: failed calls whose slot waits out a backoff before the next
-      attempt; each ends as retried, or, when no attempt follows, as skipped, raised or
-      cancelled.
-    - ``timeouts``: failed calls that ran past ``group_timeout``.
-    - ``skipped``: failed calls whose group was given up (``on_failure="skip"``).
-    - ``raised``: failed calls whose error left the pipeline (neither retried nor
-      skipped).
-    - ``cancelled``: calls cancelled in flight at shutdown, failed calls whose retry was
-      cancelled at shutdown, and finished groups that nobody took before the stream
-      closed.
-    - ``pending``: finished groups not yet taken (buffered, waiting to enter the buffer,
-      or reordering).
-    - ``last_errors``: the most recent failures, as ``"Type: message"``.
-    - ``outstanding_batches``: submitted batches whose last group is not yet taken.
-    - ``per_env``: for agents that route groups to environments (``WeightedMultiTask``),
-      the counters of each environment by ``env_id``; empty otherwise.
-    - ``policy_epoch``: the stream's policy epoch (see :meth:`RolloutStream.weight_update`).
-    - ``weight_updates``: weight updates whose body returned.
-    - ``restarted``: calls cancelled by a ``restart`` update, their slots generated again.
-    - ``stale``: calls cancelled by an update because they would exceed
-      ``max_staleness``, and finished groups found too old when they were taken; their
-      slots are generated again.
-    - ``mixed``: groups whose generation spanned a keep/abort update on a backend that
-      does not stamp where the epoch changed (not a ledger term).
-    """
-
-    started: int
-    completed: int
-    filtered: int
-    delivered: int
-    in_flight: int
-    buffered: int
-    reordering: int
-    failed: int
-    outstanding_batches: int
-    retries: int = 0
-    timeouts: int = 0
-    skipped: int = 0
-    raised: int = 0
-    waiting_to_retry: int = 0
-    cancelled: int = 0
-    pending: int = 0
-    last_errors: tuple[str, ...] = ()
-    per_env: dict[str, EnvironmentStatistics] = attrs.field(factory=dict)
-    policy_epoch: int = 0
-    weight_updates: int = 0
-    restarted: int = 0
-    stale: int = 0
-    mixed: int = 0
-
-    @property
-    def attempts(self) -> int:
-        """How many ``group_rollout`` calls started (first attempts, retries and
-        regenerations), the same count as ``started``."""
-        return self.started
-
-    @property
-    def unaccounted(self) -> int:
-        """The ledger's remainder, which is always 0 (every started call is delivered,
-        filtered, retried, skipped, raised, cancelled, restarted, stale, still in flight,
-        waiting to retry, or pending)."""
-        return self.started - (
-            self.delivered
-            + self.filtered
-            + self.retries
-            + self.skipped
-            + self.raised
-            + self.cancelled
-            + self.restarted
-            + self.stale
-            + self.in_flight
-            + self.waiting_to_retry
-            + self.pending
-        )
-
-
 class RolloutStream:
     """The groups of a running pipeline, as :meth:`get_grouped_rollouts` yields it.
 
@@ -155,107 +67,30 @@ class RolloutStream:
     A stream cannot be created directly; it belongs to its pipeline.
     """
 
-    __slots__ = (
-        "_channel",
-        "_ends_by_count",
-        "_enforce_order",
-        "_next_batch_id",
-        "_pipeline",
-        "_ready",
-        "_released_of_next",
-        "_waiting",
-    )
+    __slots__ = ("_channel", "_ends_by_count", "_order", "_pipeline")
 
-    _pipeline: _Pipeline
+    _pipeline: Pipeline
     _channel: trio.MemoryReceiveChannel[RolloutGroup]
-    _enforce_order: bool
-    _ready: collections.deque[RolloutGroup]
-    _waiting: dict[int, list[RolloutGroup]]
-    _next_batch_id: int
-    _released_of_next: int
+    _order: BatchOrder | None
     _ends_by_count: bool
 
     def __init__(self) -> None:
         msg = "RolloutStream is created by GroupedRolloutGenerator.get_grouped_rollouts()"
         raise TypeError(msg)
 
-    @classmethod
-    def _from_pipeline(cls, pipeline: _Pipeline) -> RolloutStream:
-        self = object.__new__(cls)
-        self._pipeline = pipeline
-        self._channel = pipeline.receive_channel
-        self._enforce_order = pipeline.request.enforce_order
-        self._ready = collections.deque()  # groups whose turn has come (enforce_order)
-        self._waiting = {}  # batch_id -> groups of batches not yet complete or not yet next
-        self._next_batch_id = 0
-        # Groups of batch _next_batch_id already released to _ready when a weight update
-        # took one of its groups back as stale (see _evict_stale).
-        self._released_of_next = 0
-        # A non-streaming stream whose workers outlive its batch (a staleness bound may
-        # send a slot back to them) ends when its groups are taken, not when the channel
-        # closes.
-        self._ends_by_count = pipeline.park_when_idle and not pipeline.streaming
-        return self
-
     def __repr__(self) -> str:
         return f"<RolloutStream {self.statistics()}>"
 
-    # ---------------------------------------------------------------- ordering
-
-    def _hold(self, group: RolloutGroup) -> None:
-        """Keep a group until its batch is complete and next in line (enforce_order)."""
-        batch = self._waiting.setdefault(group.batch_id, [])
-        batch.append(group)
-        self._release()
-
-    def _release(self) -> None:
-        size = self._pipeline.num_groups
-        while len(self._waiting.get(self._next_batch_id, ())) + self._released_of_next == size:
-            complete = self._waiting.pop(self._next_batch_id, [])
-            complete.sort(key=lambda g: g.index_in_batch)
-            self._ready.extend(complete)
-            self._next_batch_id += 1
-            self._released_of_next = 0
-
-    def _evict_stale(self) -> None:
-        """After the policy epoch moved: send the held groups that are now too old back
-        to be generated again in their slots (groups in the channel are checked when
-        they are pulled). With ``enforce_order``, released groups after the first stale
-        one go back to waiting, so that order stays gap-free."""
-        p = self._pipeline
-        if p.max_staleness is None:
-            return
-        for batch in self._waiting.values():
-            for group in [g for g in batch if p.is_stale(g)]:
-                batch.remove(group)
-                p.regenerate_stale(group)
-        first = next((i for i, g in enumerate(self._ready) if p.is_stale(g)), None)
-        if first is None:
-            return
-        ready = list(self._ready)
-        keep, back = ready[:first], ready[first:]
-        self._ready = collections.deque(keep)
-        batch_id = back[0].batch_id
-        # The batch's groups before the stale one (taken, or still in _ready) stay
-        # released: all of the batch but what goes back.
-        # (A batch already partly sent back by an earlier eviction was not released
-        # whole: count from what it had released.)
-        released = self._released_of_next if batch_id == self._next_batch_id else p.num_groups
-        self._released_of_next = released - sum(1 for g in back if g.batch_id == batch_id)
-        self._next_batch_id = batch_id
-        for group in back:
-            if p.is_stale(group):
-                p.regenerate_stale(group)
-            else:
-                self._waiting.setdefault(group.batch_id, []).append(group)
+    # ---------------------------------------------------------------- pulling
 
     def _pull_nowait(self) -> RolloutGroup:
         p = self._pipeline
-        if self._ends_by_count and not p.closed and p.delivered >= p.num_groups:
+        if self._ends_by_count and not p.closed and p.ledger.delivered >= p.num_groups:
             raise trio.EndOfChannel
         group = self._channel.receive_nowait()
-        p.channel_received()
-        if p.max_staleness is not None and p.is_stale(group):
+        p.slots.channel_received()
+        gate = p.gate
+        if gate.max_staleness is not None and gate.too_old(group.start_epoch):
             # Too old to hand over: its slot is generated again; look further.
             p.regenerate_stale(group)
             return self._pull_nowait()
@@ -272,9 +107,10 @@ class RolloutStream:
         # Waiting means the buffer was empty: the group comes straight from a sender that
         # never blocked, so no blocked sender is woken (no channel_received()).
         p = self._pipeline
+        gate = p.gate
         while True:
             group = await self._channel.receive()
-            if p.max_staleness is None or not p.is_stale(group):
+            if gate.max_staleness is None or not gate.too_old(group.start_epoch):
                 return group
             p.regenerate_stale(group)
             try:
@@ -282,21 +118,8 @@ class RolloutStream:
             except trio.WouldBlock:
                 pass
 
-    def _discard_untaken(self) -> int:
-        """At shutdown, after the workers are gone: drop the finished groups nobody took,
-        and return how many there were."""
-        count = len(self._ready) + sum(len(batch) for batch in self._waiting.values())
-        self._ready.clear()
-        self._waiting.clear()
-        while True:
-            try:
-                self._channel.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return count
-            count += 1
-
     def _take(self, group: RolloutGroup) -> RolloutGroup:
-        self._pipeline.group_taken(group)
+        self._pipeline.taken(group)
         return group
 
     # ---------------------------------------------------------------- receiving
@@ -312,12 +135,13 @@ class RolloutStream:
         group). If it is cancelled, no group is lost: a group that was not returned stays
         in the stream for the next call.
         """
-        if not self._enforce_order:
+        order = self._order
+        if order is None:
             return self._take(await self._pull())
         await trio.lowlevel.checkpoint_if_cancelled()
-        while not self._ready:
-            self._hold(await self._pull())
-        return self._take(self._ready.popleft())
+        while not order.ready:
+            order.hold(await self._pull())
+        return self._take(order.ready.popleft())
 
     def try_next(self) -> RolloutGroup | None:
         """Take a group that is ready now, or return ``None`` at once.
@@ -327,14 +151,15 @@ class RolloutStream:
         runs on. Raises ``trio.ClosedResourceError`` after the ``async with`` has exited.
         Not a checkpoint.
         """
+        order = self._order
         try:
-            if not self._enforce_order:
+            if order is None:
                 return self._take(self._pull_nowait())
-            while not self._ready:
-                self._hold(self._pull_nowait())
+            while not order.ready:
+                order.hold(self._pull_nowait())
         except (trio.WouldBlock, trio.EndOfChannel):
             return None
-        return self._take(self._ready.popleft())
+        return self._take(order.ready.popleft())
 
     def drain(self, n: int) -> list[RolloutGroup]:
         """Take up to ``n`` groups that are ready now; never blocks (see :meth:`try_next`).
@@ -363,7 +188,7 @@ class RolloutStream:
         """The stream's policy epoch: calls that start now start under it, and each group
         records it as ``start_epoch``. It moves when a :meth:`weight_update` body returns,
         and stays readable after the stream has closed."""
-        return self._pipeline.epoch
+        return self._pipeline.gate.epoch
 
     def weight_update(
         self,
@@ -410,42 +235,112 @@ class RolloutStream:
         exception propagates; after a normal exit they are resumed (shielded) under the
         new one. The gate is opened on every route: nothing is left paused.
         """
-        return open_weight_update(self, self._pipeline, mode, epoch, backends)
+        return open_weight_update(self._pipeline, mode, epoch, backends)
 
     # ---------------------------------------------------------------- statistics
 
     def statistics(self) -> RolloutStreamStatistics:
         """A snapshot of the pipeline's counters. Not a checkpoint."""
         p = self._pipeline
-        buffered = self._channel.statistics().current_buffer_used
-        reordering = len(self._ready) + sum(len(b) for b in self._waiting.values())
-        return RolloutStreamStatistics(
-            started=p.started,
-            completed=p.completed,
-            filtered=p.filtered,
-            delivered=p.delivered,
-            in_flight=p.in_flight,
-            buffered=buffered,
-            reordering=reordering,
-            failed=p.failed,
-            outstanding_batches=p.outstanding_batches,
-            retries=p.retries,
-            timeouts=p.timeouts,
-            skipped=p.skipped,
-            raised=p.raised,
-            waiting_to_retry=p.waiting_to_retry,
-            cancelled=p.cancelled,
-            pending=p.untaken,
-            last_errors=tuple(p.last_errors),
-            per_env={
-                env_id: EnvironmentStatistics(
-                    started=c.started, delivered=c.delivered, filtered=c.filtered, failed=c.failed
-                )
-                for env_id, c in p.env_counters.items()
-            },
-            policy_epoch=p.epoch,
-            weight_updates=p.weight_updates,
-            restarted=p.restarted,
-            stale=p.stale,
-            mixed=p.mixed,
+        return p.ledger.statistics(
+            buffered=self._channel.statistics().current_buffer_used,
+            reordering=0 if self._order is None else len(self._order),
+            outstanding_batches=p.slots.outstanding,
+            policy_epoch=p.gate.epoch,
         )
+
+
+# --------------------------------------------------------------------------- the pipeline's side
+
+
+def open_stream(pipeline: Pipeline) -> RolloutStream:
+    """The stream of ``pipeline`` (which owns the channel's receive side, the order and
+    the books the stream takes through)."""
+    stream = object.__new__(RolloutStream)
+    stream._pipeline = pipeline
+    stream._channel = pipeline.receive_channel
+    stream._order = pipeline.order
+    # A non-streaming stream whose workers outlive its batch (a staleness bound may send
+    # a slot back to them) ends when its groups are taken, not when the channel closes.
+    stream._ends_by_count = pipeline.park_when_idle and not pipeline.streaming
+    return stream
+
+
+def discard_untaken(stream: RolloutStream) -> int:
+    """At shutdown, after the workers are gone: drop the finished groups nobody took,
+    and return how many there were. Trio thread."""
+    count = 0 if stream._order is None else stream._order.clear()
+    while True:
+        try:
+            stream._channel.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return count
+        count += 1
+
+
+# --------------------------------------------------------------------------- the bridge's side
+#
+# For the sync bridge and the Ray actor, which run a stream in a Trio thread of their own
+# and hand its groups to a caller in another thread. Unless a function says otherwise,
+# call it in the stream's Trio thread.
+
+
+def settle_on_handover(stream: RolloutStream) -> bool:
+    """From now on a taken group's prompt draws are not done when the stream hands it
+    out: the caller settles them with :func:`settle_handed` when its own consumer has
+    the group. Returns whether the agent draws prompts at all."""
+    draws = stream._pipeline.draws
+    draws.settle_on_handover()
+    return draws.tracking
+
+
+def settle_handed(stream: RolloutStream, batch_id: int, index: int) -> None:
+    """The group of slot ``(batch_id, index)`` reached its consumer: its prompt draws are
+    done. Any thread; a slot settled twice, or unknown, is ignored."""
+    stream._pipeline.draws.settle((batch_id, index))
+
+
+def put_back(stream: RolloutStream, groups: Sequence[RolloutGroup]) -> None:
+    """Undo the takes of ``groups`` (handed out in this order and kept by a caller that
+    timed out) and put them first in the stream again, with ``enforce_order``. They are
+    checked for staleness like every group the stream holds."""
+    order = stream._order
+    if order is None:
+        msg = "put_back() needs a stream with enforce_order"
+        raise RuntimeError(msg)
+    for group in reversed(groups):
+        stream._pipeline.untake(group)
+    order.put_back(groups)
+
+
+def return_stale(stream: RolloutStream, groups: Sequence[RolloutGroup]) -> None:
+    """Undo the takes of ``groups``, found too old after they were handed out, and
+    generate their slots again, first (booked as ``stale``; their draws given back)."""
+    p = stream._pipeline
+    for group in reversed(groups):  # each slot goes first: the first group ends first
+        p.untake(group)
+        p.regenerate_stale(group)
+
+
+def staleness_bound(stream: RolloutStream) -> int | None:
+    """The request's ``max_staleness``."""
+    return stream._pipeline.gate.max_staleness
+
+
+def is_too_old(stream: RolloutStream, group: RolloutGroup, epoch: int | None = None) -> bool:
+    """Whether ``group`` exceeds the staleness bound at the stream's policy epoch, or at
+    ``epoch`` when given (an update's new epoch, before it moves)."""
+    gate = stream._pipeline.gate
+    bound = gate.max_staleness
+    now = gate.epoch if epoch is None else epoch
+    return bound is not None and now - group.start_epoch > bound
+
+
+def is_closed(stream: RolloutStream) -> bool:
+    """Whether the stream's ``async with`` has exited. Any thread."""
+    return stream._pipeline.closed
+
+
+def enforces_order(stream: RolloutStream) -> bool:
+    """Whether the stream hands out whole batches in order. Any thread."""
+    return stream._order is not None

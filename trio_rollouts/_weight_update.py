@@ -7,7 +7,7 @@ updates and staleness"). Its life:
    backends (a Pausable backend that does not support the mode, or a backend that is not
    Pausable under ``keep``/``abort``, is a ``TypeError``), one update at a time.
 2. The gate closes: no ``group_rollout`` call starts until the update is over (workers
-   wait in ``_Pipeline.wait_for_update``).
+   wait in ``UpdateGate.wait``, ``_gate.py``).
 3. Calls in flight: with a staleness bound, those the new epoch makes too old are
    cancelled (``stale``); ``restart`` cancels all of them (``restarted``); ``keep`` and
    ``abort`` stop their deadlines' clocks. ``drain`` and ``restart`` wait until no call is
@@ -29,12 +29,12 @@ import attrs
 import trio
 
 from ._checks import is_int
+from ._gate import DropReason
 from .inference import InferenceInterface, OpenAIInference
 from .inference._pausable import WEIGHT_UPDATE_MODES, Pausable, WeightUpdateError, WeightUpdateMode
 
 if TYPE_CHECKING:
-    from ._pipeline import _Pipeline
-    from ._stream import RolloutStream
+    from ._pipeline import Pipeline
 
 __all__ = ["WeightUpdate", "open_weight_update"]
 
@@ -140,44 +140,43 @@ async def _resume_all(backends: Sequence[Pausable], epoch: int) -> list[BaseExce
 
 @contextlib.asynccontextmanager
 async def open_weight_update(
-    stream: RolloutStream,
-    pipeline: _Pipeline,
+    pipeline: Pipeline,
     mode: object,
     epoch: object,
     backends: Sequence[InferenceInterface] | None,
 ) -> AsyncIterator[WeightUpdate]:
     """What ``RolloutStream.weight_update`` returns; see the module docstring."""
     p = pipeline
+    gate = p.gate
     if p.closed:
         msg = "weight_update() on a stream whose async with has exited"
         raise RuntimeError(msg)
     checked = checked_mode(mode)
-    new_epoch = checked_epoch(epoch, p.epoch)
+    new_epoch = checked_epoch(epoch, gate.epoch)
     pausable = checked_backends(backends, p.request.inference_interface, checked)
-    if p.updating:
+    if gate.updating:
         msg = "a weight update is already in progress on this stream (one at a time)"
         raise RuntimeError(msg)
-    old_epoch = p.epoch
+    old_epoch = gate.epoch
     update = WeightUpdate(epoch=new_epoch, mode=checked)
     entered = trio.current_time()
-    p.updating = True
-    p.watching = True
+    gate.close()
     paused: list[Pausable] = []
     try:
         # Before the body: settle the calls in flight, then pause the backends.
-        bound = p.max_staleness
+        bound = gate.max_staleness
         if checked == "restart":
-            update.held = p.drop_calls("restart", None)
+            update.held = gate.drop(DropReason.RESTART, None)
         elif bound is not None:
-            update.held = p.drop_calls("stale", new_epoch - bound)
+            update.held = gate.drop(DropReason.STALE, new_epoch - bound)
         if checked in ("keep", "abort"):
-            update.held += sum(1 for n in p.calls_in_flight() if p.drop_reason[n] is None)
-            p.freeze_deadlines()
-            while p.dropping():
-                await p.update_progress.park()
+            update.held += gate.calls_in_flight()
+            gate.freeze()
+            while gate.dropping():
+                await gate.wait_for_progress()
         else:
-            while p.in_flight:
-                await p.update_progress.park()
+            while p.ledger.in_flight:
+                await gate.wait_for_progress()
         for backend in pausable:
             paused.append(backend)
             try:
@@ -196,7 +195,7 @@ async def open_weight_update(
         # epoch; a resume that fails too is a note on the error.
         for failure in await _resume_all(paused, old_epoch):
             exc.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
-        _reopen(p)
+        gate.open()
         raise
     try:
         yield update
@@ -204,15 +203,12 @@ async def open_weight_update(
         # The body raised or was cancelled: generation goes on under the old epoch.
         for failure in await _resume_all(paused, old_epoch):
             exc.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
-        _reopen(p)
+        gate.open()
         raise
-    if checked in ("keep", "abort") and not all(b.stamps_policy_epoch for b in pausable):
-        p.unstamped_epochs.append(new_epoch)
-    p.epoch = new_epoch
-    p.weight_updates += 1
-    stream._evict_stale()
+    stamped = checked not in ("keep", "abort") or all(b.stamps_policy_epoch for b in pausable)
+    p.advance_epoch(new_epoch, stamped=stamped)
     failures = await _resume_all(paused, new_epoch)
-    _reopen(p)
+    gate.open()
     if failures:
         error = WeightUpdateError(
             f"the weight update to epoch {new_epoch} finished, but resuming "
@@ -221,11 +217,3 @@ async def open_weight_update(
         for failure in failures[1:]:
             error.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
         raise error from failures[0]
-
-
-def _reopen(p: _Pipeline) -> None:
-    """Open the gate and restart the deadlines' clocks (synchronous: cannot be
-    interrupted)."""
-    p.thaw_deadlines()
-    p.watching = p.dropping()
-    p.open_gate()

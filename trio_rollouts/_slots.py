@@ -1,0 +1,167 @@
+"""Slots and backpressure: which slots may be generated, and who wakes to generate them.
+
+A *slot* is a ``(batch_id, index_in_batch)`` pair; a *batch* is ``num_groups`` slots that
+share a ``batch_id``, numbered 0, 1, 2, ... in submission order. A batch is
+*outstanding* from its submission until the consumer has taken its last group, and a
+streaming pipeline submits a new batch exactly when one stops being outstanding
+(invariant 2 of ``_pipeline.py``): a stalled consumer stalls generation.
+
+Waking a worker is the dominant per-group cost, so :class:`Slots` also keeps the books
+of who is coming to claim a free slot (workers just woken from a full channel's
+``send``, or already unparked), and wakes no one for a slot somebody will claim anyway.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TypeVar
+
+import trio
+
+__all__ = ["Slots"]
+
+T = TypeVar("T")
+
+
+class Slots:
+    """Free slots, outstanding batches, and the workers parked waiting for slots.
+
+    Threads: the pipeline's Trio thread only.
+    """
+
+    __slots__ = (
+        "blocked_senders",
+        "coming_to_claim",
+        "free",
+        "idle_workers",
+        "next_batch_id",
+        "num_groups",
+        "outstanding",
+        "streaming",
+        "taken_in_batch",
+        "untaken_batches",
+        "woken_senders",
+    )
+
+    def __init__(self, num_groups: int, streaming: bool) -> None:
+        self.num_groups = num_groups
+        self.streaming = streaming
+        #: Slots submitted and not claimed by a worker, in the order they go out.
+        self.free: collections.deque[tuple[int, int]] = collections.deque()
+        self.idle_workers = trio.lowlevel.ParkingLot()
+        self.next_batch_id = 0
+        self.outstanding = 0
+        # Groups taken so far of each outstanding batch with some taken (num_groups > 1).
+        self.taken_in_batch: dict[int, int] = {}
+        # Batches whose completing take was undone (untake): their next completion
+        # submits no batch, since the first did.
+        self.untaken_batches: set[int] = set()
+        # Wake-up accounting (see wake_workers): workers that are runnable and will look
+        # for a free slot before they next block, and the senders blocked on a full
+        # channel (woken_senders of them woken by a receive, not yet run).
+        self.coming_to_claim = 0
+        self.blocked_senders = 0
+        self.woken_senders = 0
+
+    # ---------------------------------------------------------------- submission
+
+    def submit_batch(self) -> None:
+        """Submit the next batch: its slots become free."""
+        batch_id = self.next_batch_id
+        self.next_batch_id += 1
+        self.outstanding += 1
+        self.free.extend((batch_id, index) for index in range(self.num_groups))
+        self.wake_workers()
+
+    def put_first(self, batch_id: int, index: int) -> None:
+        """Generate the slot again, before any other free slot (a stale group's)."""
+        self.free.appendleft((batch_id, index))
+        self.wake_workers()
+
+    def wake_workers(self) -> None:
+        """Unpark as many idle workers as there are free slots nobody is coming for.
+
+        Every worker calls this after claiming, so a shortfall heals itself.
+        """
+        needed = len(self.free) - self.coming_to_claim
+        if needed > 0:
+            self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
+
+    def claim(self) -> tuple[int, int] | None:
+        """The next free slot for the calling worker, or ``None`` when there is none."""
+        if not self.free:
+            return None
+        slot = self.free.popleft()
+        self.wake_workers()
+        return slot
+
+    async def park(self) -> None:
+        """Wait, idle, until a slot is submitted for this worker to claim.
+
+        Cancellation: a cancellation point (the worker is parked, nothing is lost).
+        """
+        await self.idle_workers.park()
+        self.coming_to_claim -= 1
+
+    # ---------------------------------------------------------------- the channel
+
+    def senders_blocked(self) -> bool:
+        """Whether senders already wait on the channel (its buffer has no room)."""
+        return self.blocked_senders > self.woken_senders
+
+    def channel_received(self) -> None:
+        """A receive from the channel: one from a full buffer wakes one worker blocked
+        in ``send``, and that worker will claim next."""
+        if self.blocked_senders > self.woken_senders:
+            self.woken_senders += 1
+            self.coming_to_claim += 1
+
+    async def send(self, channel: trio.MemorySendChannel[T], item: T) -> None:
+        """``channel.send(item)`` for a worker whose ``send_nowait`` found the buffer
+        full, counted as a blocked sender until a receive wakes it.
+
+        Cancellation: a cancellation point; cancelled, ``item`` was not sent.
+        """
+        self.blocked_senders += 1
+        try:
+            await channel.send(item)
+        finally:
+            self.blocked_senders -= 1
+        # Woken by a receive (counted in channel_received), not cancelled.
+        self.woken_senders -= 1
+        self.coming_to_claim -= 1
+
+    # ---------------------------------------------------------------- takes
+
+    def taken(self, batch_id: int) -> None:
+        """The consumer took a group of batch ``batch_id``; its last submits the next
+        batch (streaming)."""
+        if self.num_groups > 1:
+            taken = self.taken_in_batch.get(batch_id, 0) + 1
+            if taken < self.num_groups:
+                self.taken_in_batch[batch_id] = taken
+                return
+            del self.taken_in_batch[batch_id]
+        self.outstanding -= 1
+        if self.streaming:
+            if self.untaken_batches and batch_id in self.untaken_batches:
+                # Its first completion, which untake() undid, submitted the next batch.
+                self.untaken_batches.discard(batch_id)
+                return
+            self.submit_batch()
+
+    def untake(self, batch_id: int) -> None:
+        """Undo :meth:`taken`. A batch whose completion is undone is outstanding again;
+        its next completion submits no batch, since the first did."""
+        if self.num_groups > 1 and batch_id in self.taken_in_batch:
+            left = self.taken_in_batch[batch_id] - 1
+            if left:
+                self.taken_in_batch[batch_id] = left
+            else:
+                del self.taken_in_batch[batch_id]
+            return
+        if self.num_groups > 1:
+            self.taken_in_batch[batch_id] = self.num_groups - 1
+        self.outstanding += 1
+        if self.streaming:
+            self.untaken_batches.add(batch_id)
