@@ -28,7 +28,7 @@ from ._models import (
     RolloutRequest,
     TokenRollout,
 )
-from ._pipeline import check_grouped_request, open_grouped_rollouts
+from ._pipeline import SlotHooks, check_grouped_request, open_grouped_rollouts
 from ._prompts import PromptSource
 from ._stream import RolloutStream
 from .inference._interface import require_raw
@@ -196,4 +196,9 @@ class GroupedRolloutGenerator(Agent):
         after every call has exited and every task the pipeline started has ended.
         """
         check_grouped_request(self, request)
-        return open_grouped_rollouts(self, request)
+        hooks = SlotHooks(
+            generate=self._slot_generator(request),
+            env_of_slot=self._slot_environment(request),
+            draws_prompts=self._draws_prompts(),
+        )
+        return open_grouped_rollouts(self, request, hooks)

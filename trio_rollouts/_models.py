@@ -352,25 +352,6 @@ class RolloutGroup(Record):
     #: started (see ``GroupedRolloutRequest.max_staleness``).
     start_epoch: int = attrs.field(default=0, validator=_int_at_least(0))
 
-    @classmethod
-    def _checked_by_caller(
-        cls,
-        rollouts: list[Rollout | TokenRollout],
-        batch_id: int,
-        index_in_batch: int,
-        start_epoch: int = 0,
-    ) -> RolloutGroup:
-        """Build a group without running validators: for the pipeline's hot path, which
-        has checked the rollouts and makes the slot numbers itself."""
-        group = object.__new__(cls)
-        set_slot = object.__setattr__
-        set_slot(group, "extra", {})
-        set_slot(group, "rollouts", rollouts)
-        set_slot(group, "batch_id", batch_id)
-        set_slot(group, "index_in_batch", index_in_batch)
-        set_slot(group, "start_epoch", start_epoch)
-        return group
-
     def __iter__(self) -> Iterator[Rollout | TokenRollout]:
         return iter(self.rollouts)
 
@@ -526,3 +507,21 @@ def as_problem(value: object, where: str) -> Problem:
         return Problem(problem_id=problem_id, prompt=prompt, answer=answer)
     msg = f"{where} must be a Problem or a (problem_id, prompt, answer) tuple, got {value!r:.80}"
     raise TypeError(msg)
+
+
+def checked_group(
+    rollouts: list[Rollout | TokenRollout],
+    batch_id: int,
+    index_in_batch: int,
+    start_epoch: int = 0,
+) -> RolloutGroup:
+    """A :class:`RolloutGroup` built without running its validators: for the pipeline's
+    hot path, which has checked the rollouts and makes the slot numbers itself."""
+    group = object.__new__(RolloutGroup)
+    set_slot = object.__setattr__
+    set_slot(group, "extra", {})
+    set_slot(group, "rollouts", rollouts)
+    set_slot(group, "batch_id", batch_id)
+    set_slot(group, "index_in_batch", index_in_batch)
+    set_slot(group, "start_epoch", start_epoch)
+    return group

@@ -132,9 +132,10 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import stamina
 import trio
 
@@ -144,6 +145,7 @@ from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._gate import DropReason, UpdateGate
 from ._ledger import EnvironmentCounters, Ledger
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from ._models import checked_group as prechecked_group
 from ._order import BatchOrder
 from ._slots import Slots
 from ._stream import RolloutStream, discard_untaken, open_stream
@@ -153,7 +155,13 @@ from .inference._interface import require_raw
 if TYPE_CHECKING:
     from ._agents import GroupedRolloutGenerator
 
-__all__ = ["FILTER_STD_THRESHOLD", "Pipeline", "check_grouped_request", "open_grouped_rollouts"]
+__all__ = [
+    "FILTER_STD_THRESHOLD",
+    "Pipeline",
+    "SlotHooks",
+    "check_grouped_request",
+    "open_grouped_rollouts",
+]
 
 #: A group whose rewards have a population std at or below this is "all the same".
 FILTER_STD_THRESHOLD = 1e-6
@@ -275,7 +283,11 @@ class Pipeline:
     )
 
     def __init__(
-        self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest, epoch: int
+        self,
+        agent: GroupedRolloutGenerator,
+        request: GroupedRolloutRequest,
+        hooks: SlotHooks,
+        epoch: int,
     ) -> None:
         self.agent = agent
         self.request = request
@@ -284,7 +296,7 @@ class Pipeline:
         self.filtering = request.filter_groups_with_same_reward
         self.max_outstanding = agent.parallel_generation_tasks // request.num_groups
         self.max_consecutive_filtered = agent.max_consecutive_filtered
-        self.generate = agent._slot_generator(request)
+        self.generate = hooks.generate
         self.send_channel, self.receive_channel = trio.open_memory_channel[RolloutGroup](
             agent.buffer_size
         )
@@ -292,9 +304,9 @@ class Pipeline:
         workers = self.worker_count()
         # The mechanisms (see the module docstring).
         self.slots = Slots(request.num_groups, request.streaming)
-        self.ledger = Ledger(agent._slot_environment(request))
+        self.ledger = Ledger(hooks.env_of_slot)
         self.gate = UpdateGate(workers, epoch, request.max_staleness)
-        self.draws = DrawBook(agent._draws_prompts())
+        self.draws = DrawBook(hooks.draws_prompts)
         self.order = BatchOrder(request.num_groups) if request.enforce_order else None
         # Non-streaming: the worker that sends the batch's last group closes the channel.
         self.groups_left_to_send = request.num_groups
@@ -848,7 +860,7 @@ class Pipeline:
             msg = f"{where} returned an empty group; a group needs at least one rollout"
             raise ValueError(msg)
         if not self.filtering and set(map(type, rollouts)) <= _ROLLOUT_TYPES:
-            return RolloutGroup._checked_by_caller(rollouts, batch_id, index, start_epoch)
+            return prechecked_group(rollouts, batch_id, index, start_epoch)
         for i, rollout in enumerate(rollouts):
             if not isinstance(rollout, (Rollout, TokenRollout)):
                 msg = (
@@ -865,15 +877,29 @@ class Pipeline:
                         "filtering groups by reward needs finite float rewards"
                     )
                     raise ValueError(msg)
-        return RolloutGroup._checked_by_caller(rollouts, batch_id, index, start_epoch)
+        return prechecked_group(rollouts, batch_id, index, start_epoch)
 
     def where(self, batch_id: int, index: int) -> str:
         return f"{type(self.agent).__name__}.group_rollout (batch_id={batch_id}, index={index})"
 
 
+@attrs.frozen
+class SlotHooks:
+    """What the pipeline asks of its agent, besides its settings (the agent's own
+    methods, which multi-task mixing overrides, compute them)."""
+
+    #: Makes the ``group_rollout`` call for slot ``(batch_id, index_in_batch)``.
+    generate: Callable[[int, int], Awaitable[object]]
+    #: The environment (``env_id``) each slot belongs to, or ``None``: no
+    #: per-environment counters.
+    env_of_slot: Callable[[int, int], str] | None
+    #: Whether the calls' prompt draws must be recorded (see ``_draws.py``).
+    draws_prompts: bool
+
+
 @contextlib.asynccontextmanager
 async def open_grouped_rollouts(
-    agent: GroupedRolloutGenerator, request: GroupedRolloutRequest
+    agent: GroupedRolloutGenerator, request: GroupedRolloutRequest, hooks: SlotHooks
 ) -> AsyncIterator[RolloutStream]:
     """Run the pipeline for the duration of an ``async with``; see the module docstring."""
     interface = request.inference_interface
@@ -883,7 +909,7 @@ async def open_grouped_rollouts(
         epoch = request.initial_epoch
         if isinstance(interface, Pausable):
             await interface.resume(request.initial_epoch)
-    pipeline = Pipeline(agent, request, epoch)
+    pipeline = Pipeline(agent, request, hooks, epoch)
     stream = open_stream(pipeline)
     consumer_errors: list[BaseException] = []  # the body's own exception is not flattened
     with flatten_exception_groups(consumer_errors), pipeline.send_channel, pipeline.receive_channel:
