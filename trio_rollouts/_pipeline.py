@@ -503,40 +503,35 @@ class Pipeline:
                         # chained to this one.
                         group = await self.after_failure(batch_id, index, failure, number)
                         del failure
-            await self.hand_over(group)
+            # Hand the group over (invariant 3), without send's schedule point while the
+            # buffer may have room: a measurable share of the per-group cost in Trio. The
+            # loop still cannot spin: it claims only slots the consumer's takes
+            # submitted, and parks when there are none.
+            ledger.pending += 1
+            if slots.blocked_senders > slots.woken_senders:
+                await self.send_when_room(group)  # senders already wait: no room
+            else:
+                try:
+                    self.send_channel.send_nowait(group)
+                except trio.WouldBlock:
+                    await self.send_when_room(group)
+            if not self.park_when_idle:
+                self.groups_left_to_send -= 1
+                if self.groups_left_to_send == 0:
+                    self.send_channel.close()
 
-    async def hand_over(self, group: RolloutGroup) -> None:
-        """Put an accepted group in the channel (invariant 3: it waits in ``send`` while
-        the buffer is full).
+    async def send_when_room(self, group: RolloutGroup) -> None:
+        """Wait in ``send`` until the buffer has room for ``group`` (invariant 3).
 
         Cancellation: cancelled while it waits, the group is booked as cancelled (a
         finished group nobody took) and ``Cancelled`` propagates.
         """
-        ledger = self.ledger
-        slots = self.slots
-        ledger.pending += 1
-        if slots.blocked_senders > slots.woken_senders:
-            full = True  # senders already wait: the buffer has no room
-        else:
-            # The buffer may have room: skip send's schedule point, a measurable share of
-            # the per-group cost in Trio. The loop still cannot spin: it claims only
-            # slots the consumer's takes submitted, and parks when there are none.
-            try:
-                self.send_channel.send_nowait(group)
-                full = False
-            except trio.WouldBlock:
-                full = True
-        if full:
-            try:
-                await slots.send(self.send_channel, group)
-            except trio.Cancelled:
-                ledger.pending -= 1
-                ledger.cancelled += 1  # a finished group nobody took
-                raise
-        if not self.park_when_idle:
-            self.groups_left_to_send -= 1
-            if self.groups_left_to_send == 0:
-                self.send_channel.close()
+        try:
+            await self.slots.send(self.send_channel, group)
+        except trio.Cancelled:
+            self.ledger.pending -= 1
+            self.ledger.cancelled += 1  # a finished group nobody took
+            raise
 
     def book_dropped(self, reason: DropReason) -> None:
         """Book a call that a weight update dropped (its slot is generated again)."""
