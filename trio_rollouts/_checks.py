@@ -70,10 +70,10 @@ def optional_int_at_least(minimum: int) -> Any:
         if value is None:
             return
         if not is_int(value):
-            msg = f"{attribute.name} must be None or an int >= {minimum}, got {value!r}"
+            msg = f"{attribute.name} must be an int >= {minimum} or None, got {value!r}"
             raise TypeError(msg)
         if value < minimum:  # type: ignore[operator]
-            msg = f"{attribute.name} must be None or >= {minimum}, got {value!r}"
+            msg = f"{attribute.name} must be >= {minimum}, got {value!r}"
             raise ValueError(msg)
 
     return check

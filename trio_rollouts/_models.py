@@ -25,6 +25,7 @@ from ._checks import check_str as _check_str
 from ._checks import int_at_least as _int_at_least
 from ._checks import is_int as _is_int
 from ._checks import is_real as _is_real
+from ._checks import optional_int_at_least as _optional_int_at_least
 from ._messages import ChatMessage, GenerationArgs, LLMChatMessage, Record
 from .inference._interface import InferenceInterface
 
@@ -103,21 +104,6 @@ class RolloutRequest(Request):
     num_rollouts: int = attrs.field(validator=_int_at_least(1))
     inference_interface: InferenceInterface = attrs.field(validator=_check_interface)
     validation: bool = attrs.field(default=False, validator=_check_bool)
-
-
-def _optional_int_at_least(minimum: int) -> Any:
-    """A validator: the field is ``None`` or an int ``>= minimum``."""
-    check = _int_at_least(minimum)
-
-    def check_optional(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value is None:
-            return
-        if not _is_int(value):
-            msg = f"{attribute.name} must be an int >= {minimum} or None, got {value!r}"
-            raise TypeError(msg)
-        check(instance, attribute, value)
-
-    return check_optional
 
 
 @attrs.define(kw_only=True)

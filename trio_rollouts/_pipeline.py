@@ -31,8 +31,8 @@ slots sharing a ``batch_id``, numbered 0, 1, 2, ... in submission order.
 Invariants (each one names tests that check it; files under ``tests/``):
 
 1. Checks happen before any work: a bad request raises before a task starts.
-   (``test_pipeline.py``: ``test_validation_happens_before_any_work`` and the checks
-   beside it.)
+   (``test_pipeline.py``: ``test_checks_run_before_any_work`` and the checks beside
+   it.)
 2. A batch is *outstanding* from its submission until the consumer has *taken* its last
    group. At most ``W`` batches are outstanding (one in non-streaming mode), so at most
    ``W * G <= P`` slots exist that are not taken, and ``group_rollout`` calls in flight

@@ -1,0 +1,168 @@
+"""The package's structure, as the pipeline's docstring and DESIGN.md's layout promise it.
+
+- No runtime import cycle between the package's modules (imports under
+  ``TYPE_CHECKING`` aside), and no function-local import of the package (the way a cycle
+  hides).
+- No module imports or reads another module's private names: modules talk through
+  methods and functions without a leading underscore.
+- Every test that ``_pipeline.py``'s numbered invariants name exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "trio_rollouts"
+
+
+def _modules() -> dict[str, ast.Module]:
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = ast.parse(path.read_text(encoding="utf-8"))
+    return modules
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _runtime_imports(module: str, tree: ast.Module, is_package: bool) -> set[str]:
+    """The package modules ``module`` imports when it is imported."""
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If):
+                if not _is_type_checking(node):
+                    visit(node.body)
+                    visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, node, is_package)
+                if target.startswith("trio_rollouts"):
+                    found.add(target)
+                    for alias in node.names:
+                        found.add(f"{target}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("trio_rollouts"))
+
+    visit(tree.body)
+    return found
+
+
+def test_no_runtime_import_cycle() -> None:
+    modules = _modules()
+    packages = {name for name in modules if (PACKAGE.parent / name.replace(".", "/")).is_dir()}
+    graph = {
+        name: {
+            target
+            for target in _runtime_imports(name, tree, name in packages)
+            if target in modules and target != name
+        }
+        for name, tree in modules.items()
+    }
+    # A package's __init__ importing its own submodules is how re-exports work, and a
+    # submodule importing a sibling through the package is not a cycle of its own.
+    for name in packages:
+        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                walk(target, [*path, target])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [name])
+    assert cycles == []
+
+
+def test_no_function_local_import_of_the_package() -> None:
+    local: list[str] = []
+    for name, tree in _modules().items():
+        for function in ast.walk(tree):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (
+                    node.level > 0 or (node.module or "").startswith("trio_rollouts")
+                ):
+                    local.append(f"{name}.{function.name}")
+    assert local == []
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # __slots__ entries
+    return names
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    used: list[str] = []
+    for name, tree in _modules().items():
+        own = _defined_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                used.extend(
+                    f"{name} imports {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                )
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr not in own
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                used.append(f"{name} reads .{node.attr}")
+    assert used == []
+
+
+def test_the_pipelines_invariants_name_tests_that_exist() -> None:
+    source = (PACKAGE / "_pipeline.py").read_text(encoding="utf-8")
+    docstring = ast.get_docstring(ast.parse(source)) or ""
+    invariants = re.findall(r"^(\d+)\. ", docstring, flags=re.MULTILINE)
+    assert invariants == [str(n) for n in range(1, len(invariants) + 1)]
+    assert len(invariants) >= 12
+    named = set(re.findall(r"``(test_\w+)``", docstring))
+    tests = "".join(path.read_text(encoding="utf-8") for path in (ROOT / "tests").glob("*.py"))
+    missing = sorted(n for n in named if not n.endswith("_py") and f"def {n}(" not in tests)
+    assert named
+    assert missing == []
