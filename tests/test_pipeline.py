@@ -291,6 +291,47 @@ def test_filter_bound_defaults_to_ten_thousand() -> None:
     assert agent().max_consecutive_filtered == 10_000
 
 
+async def test_the_filter_bound_is_one_runtime_error_when_workers_cross_it_together() -> None:
+    # Three workers get identical groups in the same scheduling batch: the second and
+    # the third both cross max_consecutive_filtered=1 before the nursery's cancellation
+    # can reach either. The documented error must still come as itself, never as a group
+    # of two, whatever order Trio runs them in.
+    go = trio.Event()
+
+    async def together(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        await go.wait()
+        return rollouts([0.5, 0.5])
+
+    a = agent(together, max_consecutive_filtered=1, parallel_generation_tasks=3)
+    req = request(num_groups=3, filter_groups_with_same_reward=True)
+    with pytest.raises(RuntimeError, match=r"2 groups in a row had identical rewards"):
+        async with a.get_grouped_rollouts(req) as stream:
+            await trio.testing.wait_all_tasks_blocked()
+            go.set()
+            await stream.receive()
+    assert a.calls == 3
+
+
+async def test_the_skip_budget_is_one_error_when_workers_exceed_it_together() -> None:
+    # As above, for FailureBudgetExceededError: three calls fail in the same batch with
+    # skip_budget=1, so two workers exceed the budget before either is cancelled.
+    go = trio.Event()
+
+    async def failing(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        await go.wait()
+        raise ValueError("boom")
+
+    policy = tr.FailurePolicy(on_failure="skip", skip_budget=1)
+    a = agent(failing, parallel_generation_tasks=3)
+    a.failure_policy = policy
+    with pytest.raises(tr.FailureBudgetExceededError, match=r"2 groups failed and were skipped"):
+        async with a.get_grouped_rollouts(request(num_groups=3)) as stream:
+            await trio.testing.wait_all_tasks_blocked()
+            go.set()
+            await stream.receive()
+    assert a.calls == 3
+
+
 # ------------------------------------------------------------------------ bad groups
 
 

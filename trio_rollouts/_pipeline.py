@@ -256,6 +256,7 @@ class Pipeline:
         "closed",
         "consecutive_filtered",
         "draws",
+        "failing",
         "fast",
         "filtering",
         "gate",
@@ -311,6 +312,8 @@ class Pipeline:
         # Non-streaming: the worker that sends the batch's last group closes the channel.
         self.groups_left_to_send = request.num_groups
         self.consecutive_filtered = 0
+        # Whether a worker raised the pipeline's own error (see fail_once).
+        self.failing = False
         self.policy = agent.failure_policy
         self.policy_is_trivial = self.policy.is_trivial
         self.prompts = agent.prompts
@@ -556,7 +559,7 @@ class Pipeline:
             if not self.skipping:
                 self.ledger.raised += 1
                 raise
-            self.skip(exc, batch_id, index)
+            await self.skip(exc, batch_id, index)
         else:
             return self.checked_group(result, batch_id, index, None, self.result_epoch[number])
         # A loop of instantly failing calls must stay cancellable.
@@ -585,7 +588,7 @@ class Pipeline:
                 if not self.skipping:
                     ledger.raised += 1
                     raise
-                self.skip(exc, batch_id, index)
+                await self.skip(exc, batch_id, index)
                 # A loop of instantly failing calls must stay cancellable.
                 await trio.lowlevel.checkpoint()
                 continue
@@ -612,7 +615,7 @@ class Pipeline:
                     f"{group[0].problem_id!r}, reward={float(group.rewards()[0])!r}. Every group "
                     "looks the same: check the reward function, or turn filtering off"
                 )
-                raise RuntimeError(msg)
+                await self.fail_once(RuntimeError(msg))
             # A filtering loop over instant group_rollout calls must stay cancellable.
             await trio.lowlevel.checkpoint()
 
@@ -824,8 +827,9 @@ class Pipeline:
                 )
                 raise ValueError(msg)
 
-    def skip(self, exc: Exception, batch_id: int, index: int) -> None:
-        """Give up on the slot's current group (on_failure="skip"); it is generated anew."""
+    async def skip(self, exc: Exception, batch_id: int, index: int) -> None:
+        """Give up on the slot's current group (on_failure="skip"); it is generated
+        anew, unless that was one skip too many (``FailureBudgetExceededError``)."""
         ledger = self.ledger
         ledger.skipped += 1
         if ledger.skipped > self.policy.skip_budget:
@@ -837,7 +841,25 @@ class Pipeline:
                 f"{self.policy.skip_budget}; last error, at {self.where(batch_id, index)}: "
                 f"{describe_error(exc)}"
             )
-            raise FailureBudgetExceededError(msg, skipped=ledger.skipped, last_error=last) from last
+            error = FailureBudgetExceededError(msg, skipped=ledger.skipped, last_error=last)
+            await self.fail_once(error, cause=last)
+
+    async def fail_once(self, error: Exception, cause: BaseException | None = None) -> None:
+        """Raise the pipeline's own error (the filter bound, the skip budget) once.
+
+        Workers that cross the same bound in the same scheduling batch as the first do
+        not raise it again: that would turn the documented error into a group of two.
+        The first one's error has cancelled the nursery by the time another runs, so
+        they wait for that cancellation instead.
+
+        Cancellation: a later caller waits until cancelled (which it already is).
+        """
+        if self.failing:
+            await trio.sleep_forever()
+        self.failing = True
+        if cause is None:
+            raise error
+        raise error from cause
 
     def make_group(
         self, result: object, batch_id: int, index: int, start_epoch: int
