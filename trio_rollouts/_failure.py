@@ -14,12 +14,13 @@ raise :class:`FailureBudgetExceededError` with the count and the last error.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import attrs
 
 from ._checks import int_at_least as _int_at_least
+from ._checks import is_real as _is_real
+from ._checks import seconds as _seconds
 from ._concurrency import real_leaves
 from .inference._errors import TRANSIENT_ERRORS
 
@@ -52,19 +53,13 @@ def default_transient_errors() -> tuple[type[BaseException], ...]:
     return (*TRANSIENT_ERRORS, GroupTimeoutError)
 
 
-def _check_timeout(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        msg = f"group_timeout must be a number of seconds > 0 or None, got {value!r}"
-        raise TypeError(msg)
-    if not value > 0 or math.isnan(value):
-        msg = f"group_timeout must be > 0 seconds (or None for no deadline), got {value!r}"
-        raise ValueError(msg)
-
-
 def _non_negative_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    # Not _checks.non_negative_seconds, whose message reads "a finite number of seconds"
+    # and which refuses inf: the wait fields keep their message and accept inf.
+    if not _is_real(value):
+        msg = f"{attribute.name} must be a number of seconds >= 0, got {value!r}"
+        raise TypeError(msg)
+    if not value >= 0:  # type: ignore[operator]
         msg = f"{attribute.name} must be a number of seconds >= 0, got {value!r}"
         raise ValueError(msg)
 
@@ -78,8 +73,10 @@ def _check_retry_on(instance: object, attribute: attrs.Attribute[Any], value: ob
 
 
 def _check_on_failure(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    msg = f"on_failure must be 'raise' or 'skip', got {value!r}"
+    if not isinstance(value, str):
+        raise TypeError(msg)
     if value not in ("raise", "skip"):
-        msg = f"on_failure must be 'raise' or 'skip', got {value!r}"
         raise ValueError(msg)
 
 
@@ -100,7 +97,7 @@ class FailurePolicy:
     - ``skip_budget``: at most this many groups may be skipped over the pipeline's life.
     """
 
-    group_timeout: float | None = attrs.field(default=None, validator=_check_timeout)
+    group_timeout: float | None = attrs.field(default=None, validator=_seconds(positive=True))
     max_attempts: int = attrs.field(default=1, validator=_int_at_least(1))
     retry_on: tuple[type[Exception], ...] = attrs.field(
         factory=default_transient_errors, validator=_check_retry_on

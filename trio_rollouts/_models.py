@@ -6,7 +6,7 @@ constructor) raises ``ValueError``/``TypeError`` naming the field, the value and
 allowed. Records that cross process boundaries (rollouts, groups, evaluation results)
 keep the keys they do not know in :attr:`extra`, so a structure -> unstructure round
 trip is lossless, as the origin's ``extra='allow'`` was. Conversion itself lives in
-``_convert.py``; this module only declares and validates.
+``_convert/``; this module only declares and validates.
 """
 
 from __future__ import annotations

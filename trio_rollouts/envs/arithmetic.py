@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import attrs
 import numpy as np
 
+from .._checks import int_at_least
 from .._models import GroupedRolloutRequest, Problem, Rollout, RolloutGroup, TokenRollout
 from .._reward_only import RewardOnlyAgent, last_number_reward
 from ..inference import InferenceResponse
@@ -34,21 +34,6 @@ OPERATIONS: dict[str, Callable[[int, int], int]] = {
 # Mixed into every seed, so the problem stream differs from other seeded streams.
 _PROBLEM_STREAM = 0x41524954
 _SLOT_STREAM = 0x534C4F54
-
-
-def _check_count(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"{attribute.name} must be an int >= 1, got {value!r}"
-        raise TypeError(msg)
-    if value < 1:
-        msg = f"{attribute.name} must be >= 1, got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        msg = f"seed must be an int >= 0, got {value!r}"
-        raise ValueError(msg)
 
 
 def _to_operations(value: Sequence[str]) -> tuple[str, ...]:
@@ -119,9 +104,9 @@ class ArithmeticEnvironment(RewardOnlyAgent):
     ``(seed, batch_id, index_in_batch, a)``. Nothing depends on scheduling order.
     """
 
-    num_problems: int = attrs.field(default=32, validator=_check_count)
-    seed: int = attrs.field(default=0, validator=_check_seed)
-    max_operand: int = attrs.field(default=20, validator=_check_count)
+    num_problems: int = attrs.field(default=32, validator=int_at_least(1))
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
+    max_operand: int = attrs.field(default=20, validator=int_at_least(1))
     operations: tuple[str, ...] = attrs.field(default=("+", "-", "*"), converter=_to_operations)
     env_id: str = attrs.field(default="arithmetic", validator=attrs.validators.instance_of(str))
     problems: list[Problem] = attrs.field(init=False)
