@@ -63,7 +63,7 @@ import trio
 from _report import Report, machine_lines, progress
 
 import trio_rollouts as tr
-from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.testing import GroupScript, NullInference, ScriptedAgent
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -95,14 +95,6 @@ SETTLE = 0.5
 # ----------------------------------------------------------------------------- agents
 
 
-@attrs.define
-class RawInterface(InferenceInterface, tr.ReturnsRaw):
-    """Never called: the pipeline only requires a ReturnsRaw interface in the request."""
-
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        return InferenceResponse(response=tr.ChatMessage(role="assistant", content="x"))
-
-
 PREBUILT = [
     tr.Rollout(
         trajectory=["x"],
@@ -115,64 +107,54 @@ PREBUILT = [
 ]
 
 
-@attrs.define
-class PrebuiltAgent(tr.GroupedRolloutGenerator):
-    """The origin script's ``Gen``: one checkpoint (or a latency), then a prebuilt group."""
+def prebuilt_agent(latency: float, **options: Any) -> ScriptedAgent:
+    """The origin script's ``Gen``: one checkpoint (or a latency), then a prebuilt group.
+    Without latency it is the scripted agent's fixed-group fast path."""
+    if not latency:
+        return ScriptedAgent(group=PREBUILT, **options)
 
-    latency: float = 0.0
-
-    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
-        await trio.sleep(self.latency * (0.5 + random.random()) if self.latency else 0)
+    async def after_latency(
+        agent: ScriptedAgent, request: tr.GroupedRolloutRequest
+    ) -> list[tr.Rollout]:
+        await trio.sleep(latency * (0.5 + random.random()))
         return list(PREBUILT)
 
+    return ScriptedAgent(script=after_latency, **options)
 
-@attrs.define
-class FreshAgent(tr.GroupedRolloutGenerator):
+
+async def fresh_group(agent: ScriptedAgent, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
     """Builds every group anew, 8 rollouts of 1 KiB strings each, so held groups show in
     the RSS."""
-
-    made: int = 0
-
-    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
-        await trio.lowlevel.checkpoint()
-        base = self.made
-        self.made += 8
-        return [
-            tr.Rollout(
-                trajectory=[f"{base + i:08d}" * 128],
-                reward=float(i % 2),
-                policy_epoch=[[(0, 0)]],
-                kv_cache_epoch=[[(0, 0)]],
-                num_evictions=[0],
-            )
-            for i in range(8)
-        ]
+    base = (agent.calls - 1) * 8
+    await trio.lowlevel.checkpoint()
+    return [
+        tr.Rollout(
+            trajectory=[f"{base + i:08d}" * 128],
+            reward=float(i % 2),
+            policy_epoch=[[(0, 0)]],
+            kv_cache_epoch=[[(0, 0)]],
+            num_evictions=[0],
+        )
+        for i in range(8)
+    ]
 
 
-@attrs.define
-class NeverEndingAgent(tr.GroupedRolloutGenerator):
+def never_ending(all_in_flight: trio.Event) -> GroupScript:
     """Every call sleeps forever, except the first, which returns a group once all
     ``parallel_generation_tasks`` calls are in flight (so the consumer has a group to
     ``break`` on)."""
 
-    all_in_flight: trio.Event = attrs.field(factory=trio.Event)
-    started: int = 0
-    live: int = 0
-
-    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
-        n = self.started
-        self.started += 1
-        self.live += 1
-        if self.live == self.parallel_generation_tasks:
-            self.all_in_flight.set()
-        try:
-            if n == 0:
-                await self.all_in_flight.wait()
-                return list(PREBUILT)
-            await trio.sleep_forever()
-        finally:
-            self.live -= 1
+    async def script(agent: ScriptedAgent, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
+        n = agent.calls
+        if agent.in_flight == agent.parallel_generation_tasks:
+            all_in_flight.set()
+        if n == 1:
+            await all_in_flight.wait()
+            return list(PREBUILT)
+        await trio.sleep_forever()
         raise AssertionError  # unreachable: sleep_forever only raises
+
+    return script
 
 
 # ----------------------------------------------------------------------------- children
@@ -181,16 +163,16 @@ class NeverEndingAgent(tr.GroupedRolloutGenerator):
 
 async def measure_scenario(name: str) -> dict[str, Any]:
     sc = SCENARIOS[name]
-    agent = PrebuiltAgent(
+    agent = prebuilt_agent(
+        sc["L"],
         parallel_generation_tasks=sc["P"],
         buffer_size=BUFFER_SIZE,
-        latency=sc["L"],
         failure_policy=BUSY_POLICY if sc.get("policy") else tr.FailurePolicy(),
     )
     request = tr.GroupedRolloutRequest(
         num_groups=sc["G"],
         rollouts_per_group=8,
-        inference_interface=RawInterface(),
+        inference_interface=NullInference(),
         streaming=True,
         enforce_order=sc["order"],
     )
@@ -230,9 +212,11 @@ def counters(stream: tr.RolloutStream) -> dict[str, int]:
 
 
 async def measure_stall(stall_seconds: float) -> dict[str, Any]:
-    agent = FreshAgent(parallel_generation_tasks=512, buffer_size=BUFFER_SIZE)
+    agent = ScriptedAgent(
+        script=fresh_group, parallel_generation_tasks=512, buffer_size=BUFFER_SIZE
+    )
     request = tr.GroupedRolloutRequest(
-        num_groups=1, rollouts_per_group=8, inference_interface=RawInterface(), streaming=True
+        num_groups=1, rollouts_per_group=8, inference_interface=NullInference(), streaming=True
     )
     before = memory()
     rss_during: list[int] = []
@@ -266,19 +250,23 @@ async def measure_stall(stall_seconds: float) -> dict[str, Any]:
         "at_stall_end": at_end,
         "vmrss_min_kib": min(rss_during),
         "vmrss_max_kib": max(rss_during),
-        "groups_built": agent.made // 8,
+        "groups_built": agent.exited,
     }
 
 
 async def measure_shutdown() -> dict[str, Any]:
-    agent = NeverEndingAgent(parallel_generation_tasks=SHUTDOWN_P, buffer_size=BUFFER_SIZE)
+    agent = ScriptedAgent(
+        script=never_ending(trio.Event()),
+        parallel_generation_tasks=SHUTDOWN_P,
+        buffer_size=BUFFER_SIZE,
+    )
     request = tr.GroupedRolloutRequest(
-        num_groups=1, rollouts_per_group=8, inference_interface=RawInterface(), streaming=True
+        num_groups=1, rollouts_per_group=8, inference_interface=NullInference(), streaming=True
     )
     baseline_tasks = trio.lowlevel.current_statistics().tasks_living
     async with agent.get_grouped_rollouts(request) as stream:
         async for _ in stream:
-            live_at_break = agent.live
+            live_at_break = agent.in_flight
             tasks_at_break = trio.lowlevel.current_statistics().tasks_living - baseline_tasks
             start = time.perf_counter()
             cpu_start = time.process_time()
@@ -290,7 +278,7 @@ async def measure_shutdown() -> dict[str, Any]:
         "tasks_at_break": tasks_at_break,
         "aexit_ms": (done - start) * 1e3,
         "aexit_cpu_ms": cpu * 1e3,
-        "live_after": agent.live,
+        "live_after": agent.in_flight,
         "tasks_after": trio.lowlevel.current_statistics().tasks_living - baseline_tasks,
     }
 

@@ -40,7 +40,7 @@ import attrs
 import trio
 
 import trio_rollouts as tr
-from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.testing import NullInference
 
 NUM_GROUPS = 8
 ROLLOUTS_PER_GROUP = 4
@@ -75,14 +75,6 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 @attrs.define
-class NoInference(InferenceInterface, tr.ReturnsRaw):
-    """The agent never calls the model: the benchmark measures reward work only."""
-
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        raise NotImplementedError
-
-
-@attrs.define
 class CpuBoundAgent(tr.GroupedRolloutGenerator):
     """Each group: ``rollouts_per_group`` rewards whose work adds up to ``iterations``."""
 
@@ -108,7 +100,7 @@ def make_request() -> tr.GroupedRolloutRequest:
     return tr.GroupedRolloutRequest(
         num_groups=NUM_GROUPS,
         rollouts_per_group=ROLLOUTS_PER_GROUP,
-        inference_interface=NoInference(),
+        inference_interface=NullInference(),  # never called: reward work only
         streaming=True,
     )
 

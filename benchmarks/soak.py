@@ -23,7 +23,7 @@ import stamina
 import trio
 
 import trio_rollouts as tr
-from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.testing import NullInference
 
 
 class Transient(Exception):
@@ -32,12 +32,6 @@ class Transient(Exception):
 
 class Broken(Exception):
     """A fault that is not retried (the group is skipped)."""
-
-
-@attrs.define
-class Interface(InferenceInterface, tr.ReturnsRaw):
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        return InferenceResponse(response=tr.ChatMessage(role="assistant", content=""))
 
 
 @attrs.define
@@ -91,7 +85,7 @@ async def soak(groups: int, seed: int) -> None:
     request = tr.GroupedRolloutRequest(
         num_groups=4,
         rollouts_per_group=4,
-        inference_interface=Interface(),
+        inference_interface=NullInference(),
         streaming=True,
         enforce_order=True,
         filter_groups_with_same_reward=True,

@@ -21,9 +21,9 @@ import trio
 
 import trio_rollouts as tr
 from trio_rollouts._draws import current_draws
+from trio_rollouts.testing import NullInference
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fakes import RawInterface
 
 FILTERED = {"p2"}
 
@@ -68,7 +68,7 @@ def main() -> None:
     request = tr.GroupedRolloutRequest(
         num_groups=2,
         rollouts_per_group=2,
-        inference_interface=RawInterface(),
+        inference_interface=NullInference(),
         streaming=True,
         filter_groups_with_same_reward=True,
     )

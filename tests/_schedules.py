@@ -18,10 +18,11 @@ from typing import Literal
 import attrs
 import trio
 import trio.testing
-from _fakes import ScriptedAgent, request, rollouts
+from _fakes import request
 from hypothesis import strategies as st
 
 import trio_rollouts as tr
+from trio_rollouts.testing import ScriptedAgent, rollouts
 
 #: Virtual seconds after which a run counts as hung (TooSlowError fails the test).
 HANG_AFTER = 10_000.0

@@ -17,9 +17,10 @@ from typing import NoReturn
 
 import pytest
 import trio
-from _fakes import ScriptedAgent, request, rollouts
+from _fakes import request
 
 import trio_rollouts as tr
+from trio_rollouts.testing import ScriptedAgent, rollouts
 
 #: Safety net for every wait; a passing test never waits this long.
 WAIT = 10.0

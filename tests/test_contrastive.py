@@ -10,7 +10,6 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from _fakes import PlainInterface
 
 import trio_rollouts as tr
 from trio_rollouts._evaluation import Problem
@@ -20,6 +19,7 @@ from trio_rollouts.envs._preference import (
     HeadToHeadRolloutGenerator,
 )
 from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.testing import NullChatInference
 
 
 @attrs.define(eq=False)
@@ -153,7 +153,7 @@ async def test_a_non_finite_reward_is_an_error() -> None:
 
 async def test_contrastive_sampling_needs_raw_text() -> None:
     with pytest.raises(TypeError, match="ReturnsRaw"):
-        await contrastive().get_contrastive_rollouts(rollout_request(PlainInterface(), 1))
+        await contrastive().get_contrastive_rollouts(rollout_request(NullChatInference(), 1))
 
 
 def test_one_sample_per_prompt_cannot_make_a_pair() -> None:
@@ -227,7 +227,7 @@ async def test_cancelling_a_match_leaves_no_call_running(
 
 
 async def test_every_interface_must_return_raw_text() -> None:
-    interfaces: list[InferenceInterface] = [fixed("a"), PlainInterface()]
+    interfaces: list[InferenceInterface] = [fixed("a"), NullChatInference()]
     with pytest.raises(TypeError, match=r"inference_interface\[1\] must return raw text"):
         await head_to_head().get_head2head_rollouts(h2h_request(interfaces, 1))
 

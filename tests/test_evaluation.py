@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from _fakes import ScriptedAgent, rollouts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +27,7 @@ from trio_rollouts._evaluation import (
 from trio_rollouts._models import Problem
 from trio_rollouts._multitask import WeightedMultiTask, WeightedTask
 from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.testing import ScriptedAgent, rollouts
 
 # ------------------------------------------------------------------------ pass@k
 

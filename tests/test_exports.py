@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import trio_rollouts
 import trio_rollouts.inference
+import trio_rollouts.testing
 
 DESIGN_NAMES = """
 ChatMessage LLMChatMessage GenerationArgs Request RolloutRequest GroupedRolloutRequest
@@ -17,6 +18,10 @@ InferenceInterface ReturnsRaw ReturnsTokens ReturnsLogProbs InferenceRequest Inf
 
 INFERENCE_NAMES = """
 InferenceInterface InferenceRequest InferenceResponse ReturnsRaw ReturnsTokens ReturnsLogProbs
+""".split()
+
+TESTING_NAMES = """
+ScriptedAgent GroupScript NullInference NullChatInference ScriptedPausable rollouts
 """.split()
 
 
@@ -37,3 +42,9 @@ def test_llm_chat_message_is_an_alias() -> None:
 def test_top_level_reexports_are_the_inference_objects() -> None:
     for name in INFERENCE_NAMES:
         assert getattr(trio_rollouts, name) is getattr(trio_rollouts.inference, name)
+
+
+def test_testing_names_are_exported() -> None:
+    assert sorted(trio_rollouts.testing.__all__) == sorted(TESTING_NAMES)
+    missing = [name for name in TESTING_NAMES if not hasattr(trio_rollouts.testing, name)]
+    assert missing == []

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from _fakes import ScriptedAgent, request, rollouts
+from _fakes import request
 
 import trio_rollouts as tr
 from trio_rollouts.inference import InferenceConnectionError
+from trio_rollouts.testing import ScriptedAgent, rollouts
 
 
 class Flaky(Exception):

@@ -9,12 +9,13 @@ import pytest
 import stamina
 import trio
 import trio.testing
-from _fakes import ScriptedAgent, request, rollouts
+from _fakes import request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_rollouts as tr
 from trio_rollouts.inference import ServerError
+from trio_rollouts.testing import ScriptedAgent, rollouts
 
 
 class Flaky(Exception):

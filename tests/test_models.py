@@ -18,28 +18,20 @@ from trio_rollouts import (
     GenerationArgs,
     GroupedRolloutRequest,
     Head2HeadRolloutRequest,
-    InferenceInterface,
-    InferenceRequest,
-    InferenceResponse,
     LLMChatMessage,
     Request,
-    ReturnsRaw,
     RewardEvaluationResult,
     Rollout,
     RolloutGroup,
     RolloutRequest,
     TokenRollout,
 )
-
-
-class Fake(InferenceInterface, ReturnsRaw):
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        return InferenceResponse(response=ChatMessage(role="assistant", content="x"))
+from trio_rollouts.testing import NullInference
 
 
 @pytest.fixture
-def interface() -> Fake:
-    return Fake()
+def interface() -> NullInference:
+    return NullInference()
 
 
 def token_rollout(**kwargs: object) -> TokenRollout:
@@ -185,7 +177,7 @@ def test_request_refuses_generation_args_of_another_type() -> None:
         Request(generation_args={})  # type: ignore[arg-type]
 
 
-def test_rollout_request_needs_at_least_one_rollout(interface: Fake) -> None:
+def test_rollout_request_needs_at_least_one_rollout(interface: NullInference) -> None:
     with pytest.raises(ValueError, match=r"num_rollouts must be >= 1, got 0"):
         RolloutRequest(num_rollouts=0, inference_interface=interface)
 
@@ -197,7 +189,7 @@ def test_rollout_request_refuses_a_non_interface() -> None:
         RolloutRequest(num_rollouts=1, inference_interface="http://x")  # type: ignore[arg-type]
 
 
-def test_grouped_request_defaults(interface: Fake) -> None:
+def test_grouped_request_defaults(interface: NullInference) -> None:
     request = GroupedRolloutRequest(
         num_groups=2, rollouts_per_group=4, inference_interface=interface
     )
@@ -209,22 +201,22 @@ def test_grouped_request_defaults(interface: Fake) -> None:
     ) == (False, False, False, False)
 
 
-def test_grouped_request_refuses_zero_groups(interface: Fake) -> None:
+def test_grouped_request_refuses_zero_groups(interface: NullInference) -> None:
     with pytest.raises(ValueError, match=r"num_groups must be >= 1, got 0"):
         GroupedRolloutRequest(num_groups=0, rollouts_per_group=4, inference_interface=interface)
 
 
-def test_grouped_request_refuses_zero_rollouts_per_group(interface: Fake) -> None:
+def test_grouped_request_refuses_zero_rollouts_per_group(interface: NullInference) -> None:
     with pytest.raises(ValueError, match=r"rollouts_per_group must be >= 1, got 0"):
         GroupedRolloutRequest(num_groups=1, rollouts_per_group=0, inference_interface=interface)
 
 
-def test_grouped_request_refuses_a_bool_count(interface: Fake) -> None:
+def test_grouped_request_refuses_a_bool_count(interface: NullInference) -> None:
     with pytest.raises(TypeError, match=r"num_groups must be an int >= 1, got True"):
         GroupedRolloutRequest(num_groups=True, rollouts_per_group=4, inference_interface=interface)
 
 
-def test_grouped_request_refuses_a_non_bool_flag(interface: Fake) -> None:
+def test_grouped_request_refuses_a_non_bool_flag(interface: NullInference) -> None:
     with pytest.raises(TypeError, match=r"streaming must be a bool, got 1"):
         GroupedRolloutRequest(
             num_groups=1,
@@ -234,8 +226,10 @@ def test_grouped_request_refuses_a_non_bool_flag(interface: Fake) -> None:
         )
 
 
-def test_head2head_request_takes_a_list_of_interfaces(interface: Fake) -> None:
-    request = Head2HeadRolloutRequest(num_rollouts=1, inference_interface=[interface, Fake()])
+def test_head2head_request_takes_a_list_of_interfaces(interface: NullInference) -> None:
+    request = Head2HeadRolloutRequest(
+        num_rollouts=1, inference_interface=[interface, NullInference()]
+    )
     assert len(request.inference_interface) == 2
 
 
@@ -244,38 +238,40 @@ def test_head2head_request_refuses_an_empty_list() -> None:
         Head2HeadRolloutRequest(num_rollouts=1, inference_interface=[])
 
 
-def test_head2head_request_names_the_bad_interface(interface: Fake) -> None:
+def test_head2head_request_names_the_bad_interface(interface: NullInference) -> None:
     with pytest.raises(TypeError, match=r"inference_interface\[1\] must be an InferenceInterface"):
         Head2HeadRolloutRequest(num_rollouts=1, inference_interface=[interface, "x"])  # type: ignore[list-item]
 
 
-def test_evaluation_request_validates_by_default(interface: Fake) -> None:
+def test_evaluation_request_validates_by_default(interface: NullInference) -> None:
     request = EvaluationRequest(inference_interface=interface, num_prompts=0)
     assert (request.validation, request.rank_info) == (True, None)
 
 
-def test_evaluation_request_refuses_negative_num_prompts(interface: Fake) -> None:
+def test_evaluation_request_refuses_negative_num_prompts(interface: NullInference) -> None:
     with pytest.raises(ValueError, match=r"num_prompts must be >= 0, got -1"):
         EvaluationRequest(inference_interface=interface, num_prompts=-1)
 
 
 @pytest.mark.parametrize("rank", [-1, 2])
-def test_evaluation_request_refuses_a_rank_outside_the_world(interface: Fake, rank: int) -> None:
+def test_evaluation_request_refuses_a_rank_outside_the_world(
+    interface: NullInference, rank: int
+) -> None:
     with pytest.raises(ValueError, match=rf"rank_info rank must be in \[0, 2\), got {rank}"):
         EvaluationRequest(inference_interface=interface, num_prompts=4, rank_info=(rank, 2))
 
 
-def test_evaluation_request_refuses_an_empty_world(interface: Fake) -> None:
+def test_evaluation_request_refuses_an_empty_world(interface: NullInference) -> None:
     with pytest.raises(ValueError, match=r"world_size must be >= 1, got 0"):
         EvaluationRequest(inference_interface=interface, num_prompts=4, rank_info=(0, 0))
 
 
-def test_evaluation_request_takes_rank_info_as_a_list(interface: Fake) -> None:
+def test_evaluation_request_takes_rank_info_as_a_list(interface: NullInference) -> None:
     request = EvaluationRequest(inference_interface=interface, num_prompts=4, rank_info=[1, 2])
     assert request.rank_info == (1, 2)
 
 
-def test_evaluation_request_refuses_a_malformed_rank_info(interface: Fake) -> None:
+def test_evaluation_request_refuses_a_malformed_rank_info(interface: NullInference) -> None:
     with pytest.raises(TypeError, match=r"rank_info must be a \(rank, world_size\) tuple.*'01'"):
         EvaluationRequest(inference_interface=interface, num_prompts=4, rank_info="01")
 

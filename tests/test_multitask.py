@@ -11,7 +11,7 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from _fakes import RawInterface, ScriptedAgent, request, rollouts
+from _fakes import request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +25,7 @@ from trio_rollouts._multitask import (
     _WeightedSequence,
     batch_splits,
 )
+from trio_rollouts.testing import NullInference, ScriptedAgent, rollouts
 
 
 async def instant(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
@@ -501,7 +502,7 @@ class Evaluating(tr.GroupedRolloutGenerator, tr.EvaluationAgent):
 
 
 def eval_request(**kwargs: Any) -> tr.EvaluationRequest:
-    return tr.EvaluationRequest(inference_interface=RawInterface(), num_prompts=4, **kwargs)
+    return tr.EvaluationRequest(inference_interface=NullInference(), num_prompts=4, **kwargs)
 
 
 async def test_run_evaluation_returns_one_response_per_evaluating_environment(

@@ -8,9 +8,10 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from _fakes import PlainInterface, ScriptedAgent, request, rollouts
+from _fakes import request
 
 import trio_rollouts as tr
+from trio_rollouts.testing import NullChatInference, NullInference, ScriptedAgent, rollouts
 
 
 async def instant(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
@@ -32,7 +33,7 @@ def agent(script=instant, **kwargs: int) -> ScriptedAgent:  # type: ignore[no-un
 
 async def test_interface_without_raw_text_is_a_type_error() -> None:
     req = tr.GroupedRolloutRequest(
-        num_groups=1, rollouts_per_group=2, inference_interface=PlainInterface()
+        num_groups=1, rollouts_per_group=2, inference_interface=NullChatInference()
     )
     with pytest.raises(TypeError, match="ReturnsRaw"):
         agent().get_grouped_rollouts(req)
@@ -645,9 +646,7 @@ class Counting(tr.RolloutGenerator):
 async def test_get_reward_rollouts_runs_the_calls_concurrently(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    from _fakes import RawInterface
-
-    req = tr.RolloutRequest(num_rollouts=5, inference_interface=RawInterface())
+    req = tr.RolloutRequest(num_rollouts=5, inference_interface=NullInference())
     start = trio.current_time()
     result = await Counting().get_reward_rollouts(req)
     assert len(result) == 5
@@ -655,7 +654,7 @@ async def test_get_reward_rollouts_runs_the_calls_concurrently(
 
 
 async def test_get_reward_rollouts_needs_raw_text() -> None:
-    req = tr.RolloutRequest(num_rollouts=1, inference_interface=PlainInterface())
+    req = tr.RolloutRequest(num_rollouts=1, inference_interface=NullChatInference())
     with pytest.raises(TypeError, match="ReturnsRaw"):
         await Counting().get_reward_rollouts(req)
 

@@ -13,7 +13,7 @@ from collections import Counter
 
 import trio
 import trio.testing
-from _fakes import ScriptedAgent, request, rollouts
+from _fakes import request
 from _schedules import (
     HANG_AFTER,
     Outcome,
@@ -25,6 +25,7 @@ from _schedules import (
 from hypothesis import given, settings
 
 import trio_rollouts as tr
+from trio_rollouts.testing import ScriptedAgent, rollouts
 
 #: ~70 schedules per property keeps the file at a few seconds (each run is a trio.run).
 PROPERTY = settings(max_examples=70, deadline=None)

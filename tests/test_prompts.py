@@ -19,10 +19,10 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from _fakes import RawInterface
 
 import trio_rollouts as tr
 from trio_rollouts import Problem, PromptSource
+from trio_rollouts.testing import NullInference
 
 
 def problems(n: int) -> list[Problem]:
@@ -162,7 +162,7 @@ class Drawing(tr.GroupedRolloutGenerator):
 def grouped(**kwargs: object) -> tr.GroupedRolloutRequest:
     fields: dict[str, object] = {"num_groups": 1, "rollouts_per_group": 2, "streaming": True}
     return tr.GroupedRolloutRequest(
-        inference_interface=RawInterface(),
+        inference_interface=NullInference(),
         **{**fields, **kwargs},  # type: ignore[arg-type]
     )
 
@@ -366,7 +366,7 @@ def test_every_prompt_of_every_epoch_is_done_once_across_kills(
             request = tr.GroupedRolloutRequest(
                 num_groups=num_groups,
                 rollouts_per_group=2,
-                inference_interface=RawInterface(),
+                inference_interface=NullInference(),
                 streaming=True,
                 enforce_order=enforce_order,
                 filter_groups_with_same_reward=True,

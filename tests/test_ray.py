@@ -31,11 +31,7 @@ import trio_rollouts as tr  # noqa: E402
 from trio_rollouts import ChatMessage  # noqa: E402
 from trio_rollouts.inference import (  # noqa: E402
     EmbeddedInference,
-    InferenceInterface,
-    InferenceRequest,
-    InferenceResponse,
     LatencyModel,
-    Pausable,
     WeightUpdateError,
     WeightUpdateMode,
 )
@@ -46,6 +42,7 @@ from trio_rollouts.ray import (  # noqa: E402
     blocking_ray_rollouts,
     open_ray_rollouts,
 )
+from trio_rollouts.testing import ScriptedPausable  # noqa: E402
 
 #: Safety net for every wait; a passing test never comes near it.
 WAIT = 30.0
@@ -450,42 +447,16 @@ def stamping(i: int) -> Stamping:
     return Stamping(tag=f"actor{i}", parallel_generation_tasks=4, buffer_size=2)
 
 
-@attrs.define(eq=False)
-class PauseFails(InferenceInterface, tr.ReturnsRaw, Pausable):
+@attrs.define(eq=False, kw_only=True)
+class PauseFails(ScriptedPausable):
     """A Pausable backend whose pause for ``keep`` fails (as a server without the
     endpoint answers)."""
 
-    epoch: int = 0
-
-    @property
-    def supported_modes(self) -> frozenset[WeightUpdateMode]:
-        return frozenset({"drain", "restart", "keep", "abort"})
-
-    @property
-    def policy_epoch(self) -> int:
-        return self.epoch
-
-    @property
-    def stamps_policy_epoch(self) -> bool:
-        return False
+    latency: float = 0.001
 
     async def pause(self, mode: WeightUpdateMode) -> None:
-        await trio.lowlevel.checkpoint()
-        if mode == "keep":
-            msg = "pause endpoint answered 404"
-            raise RuntimeError(msg)
-
-    async def resume(self, epoch: int) -> None:
-        await trio.lowlevel.checkpoint()
-        self.epoch = epoch
-
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        await trio.sleep(0.001)
-        return InferenceResponse(
-            response=ChatMessage(role="assistant", content="x"),
-            raw_text="x",
-            policy_epoch=[(0, self.epoch)],
-        )
+        self.fail_pause = mode == "keep"
+        await super().pause(mode)
 
 
 def embedded_request(i: int) -> tr.GroupedRolloutRequest:

@@ -24,7 +24,6 @@ import trio
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
-from _fakes import RawInterface  # noqa: E402
 
 import trio_rollouts as tr  # noqa: E402
 from trio_rollouts import Problem, PromptSource  # noqa: E402
@@ -34,6 +33,7 @@ from trio_rollouts.ray import (  # noqa: E402
     blocking_ray_rollouts,
     open_ray_rollouts,
 )
+from trio_rollouts.testing import NullInference  # noqa: E402
 
 #: Safety net for every wait; a passing test never comes near it.
 WAIT = 30.0
@@ -136,7 +136,7 @@ def request(*, num_groups: int = 2, enforce_order: bool = False) -> tr.GroupedRo
     return tr.GroupedRolloutRequest(
         num_groups=num_groups,
         rollouts_per_group=2,
-        inference_interface=RawInterface(),
+        inference_interface=NullInference(),
         streaming=True,
         enforce_order=enforce_order,
         filter_groups_with_same_reward=True,

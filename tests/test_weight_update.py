@@ -27,6 +27,7 @@ from trio_rollouts.inference import (
     WeightUpdateError,
     WeightUpdateMode,
 )
+from trio_rollouts.testing import ScriptedAgent
 
 STEADY = LatencyModel(first_token=1.0, per_token=1.0, distribution="constant")
 CALL_SECONDS = 5.0  # "abcd": first token at +1, then four tokens of 1 s (the last ends it)
@@ -43,30 +44,26 @@ def embedded() -> EmbeddedInference:
     return EmbeddedInference(policy=fixed("abcd"), latency=STEADY)
 
 
-@attrs.define
-class EpochAgent(tr.GroupedRolloutGenerator):
+async def one_call_per_rollout(
+    agent: ScriptedAgent, request: tr.GroupedRolloutRequest
+) -> list[tr.Rollout]:
     """One inference call per rollout; each rollout keeps the call's epoch stamps."""
+    iface = request.inference_interface
+    out = []
+    for i in range(request.rollouts_per_group):
+        response = await iface.agenerate(iface.prepare_request("q"))
+        out.append(
+            tr.Rollout(
+                trajectory=[response.raw_text or ""],
+                reward=float(i),
+                policy_epoch=[list(response.policy_epoch)],
+            )
+        )
+    return out
 
-    calls: int = 0
-    exited: int = 0
 
-    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
-        self.calls += 1
-        iface = request.inference_interface
-        try:
-            out = []
-            for i in range(request.rollouts_per_group):
-                response = await iface.agenerate(iface.prepare_request("q"))
-                out.append(
-                    tr.Rollout(
-                        trajectory=[response.raw_text or ""],
-                        reward=float(i),
-                        policy_epoch=[list(response.policy_epoch)],
-                    )
-                )
-            return out
-        finally:
-            self.exited += 1
+def epoch_agent(**options: Any) -> ScriptedAgent:
+    return ScriptedAgent(script=one_call_per_rollout, **options)
 
 
 def grouped(
@@ -100,7 +97,7 @@ def ledger_ok(stats: tr.RolloutStreamStatistics) -> None:
 async def test_bad_arguments_are_refused_before_anything_pauses(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(embedded())) as stream:
         with pytest.raises(ValueError, match=r"mode must be one of 'drain'.*got 'pause'"):
             async with stream.weight_update("pause"):  # type: ignore[arg-type]
@@ -121,7 +118,7 @@ async def test_bad_arguments_are_refused_before_anything_pauses(
 
 
 async def test_keep_needs_a_pausable_backend(autojump_clock: trio.testing.MockClock) -> None:
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(RawInterface())) as stream:
         with pytest.raises(TypeError, match=r"mode='keep'.*RawInterface is not"):
             async with stream.weight_update("keep"):
@@ -136,7 +133,7 @@ async def test_a_mode_the_backend_does_not_support_is_a_type_error(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = tr.OpenAIInference(base_url="http://127.0.0.1:9/v1", model="m")
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     request = grouped(RawInterface())
     async with agent.get_grouped_rollouts(request) as stream:
         with pytest.raises(TypeError, match=r"OpenAIInference cannot pause.*server='vllm'"):
@@ -146,7 +143,7 @@ async def test_a_mode_the_backend_does_not_support_is_a_type_error(
 
 
 async def test_one_update_at_a_time(autojump_clock: trio.testing.MockClock) -> None:
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(embedded())) as stream:
         async with stream.weight_update():
             with pytest.raises(RuntimeError, match="already in progress"):
@@ -162,7 +159,7 @@ async def test_drain_waits_for_calls_in_flight_and_holds_new_ones(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(iface)) as stream:
         await trio.sleep(2.5)  # both calls are 2.5 s in
         async with stream.weight_update("drain") as update:
@@ -193,7 +190,7 @@ async def test_restart_cancels_calls_and_generates_their_slots_again(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(iface)) as stream:
         await trio.sleep(2.5)
         async with stream.weight_update("restart") as update:
@@ -215,7 +212,7 @@ async def test_keep_and_abort_continue_calls_under_the_new_epoch(
     mode: WeightUpdateMode, autojump_clock: trio.testing.MockClock
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(iface)) as stream:
         await trio.sleep(2.5)  # token 1 is being generated
         async with stream.weight_update(mode) as update:
@@ -240,7 +237,7 @@ async def test_held_time_does_not_count_against_group_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(
+    agent = epoch_agent(
         parallel_generation_tasks=2, failure_policy=tr.FailurePolicy(group_timeout=6.0)
     )
     async with agent.get_grouped_rollouts(grouped(iface)) as stream:
@@ -261,7 +258,7 @@ async def test_a_staleness_bound_cancels_calls_that_would_exceed_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(iface, max_staleness=0)) as stream:
         await trio.sleep(2.5)
         async with stream.weight_update("keep") as update:
@@ -277,7 +274,7 @@ async def test_finished_groups_that_became_too_old_are_generated_again(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=2, buffer_size=2)
+    agent = epoch_agent(parallel_generation_tasks=2, buffer_size=2)
     request = grouped(iface, max_staleness=1, enforce_order=True)
     async with agent.get_grouped_rollouts(request) as stream:
         await trio.sleep(CALL_SECONDS)  # batch 0 is finished and buffered
@@ -298,7 +295,7 @@ async def test_held_groups_are_taken_back_in_order_when_they_go_stale(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=4, buffer_size=4)
+    agent = epoch_agent(parallel_generation_tasks=4, buffer_size=4)
     request = grouped(iface, num_groups=2, max_staleness=0, enforce_order=True)
     async with agent.get_grouped_rollouts(request) as stream:
         await trio.sleep(CALL_SECONDS)  # batches 0 and 1 are finished
@@ -316,7 +313,7 @@ async def test_non_streaming_with_a_bound_ends_after_its_groups(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     request = grouped(iface, streaming=False, max_staleness=0)
     async with agent.get_grouped_rollouts(request) as stream:
         await trio.sleep(CALL_SECONDS)
@@ -336,7 +333,7 @@ async def test_a_failing_pause_resumes_everything_under_the_old_epoch(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     good, bad = Backend(), Backend(fail_pause=True, fail_resume=True)
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(good)) as stream:
         with pytest.raises(WeightUpdateError, match=r"pausing Backend.*failed") as info:
             async with stream.weight_update("keep", backends=[good, bad]):
@@ -357,7 +354,7 @@ async def test_a_body_that_fails_resumes_under_the_old_epoch(
     route: str, autojump_clock: trio.testing.MockClock
 ) -> None:
     backend = Backend()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(backend)) as stream:
         if route == "raise":
             with pytest.raises(KeyError):
@@ -379,7 +376,7 @@ async def test_mixed_counts_groups_spanning_an_update_on_a_backend_without_stamp
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     backend = Backend()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(backend)) as stream:
         await trio.sleep(0.5)
         async with stream.weight_update("keep"):
@@ -395,7 +392,7 @@ async def test_initial_epoch_is_given_to_the_backend(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     backend = Backend(epoch=3)
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(backend)) as stream:
         assert stream.policy_epoch == 3  # taken from the Pausable backend
     async with agent.get_grouped_rollouts(grouped(backend, initial_epoch=7)) as stream:
@@ -409,7 +406,7 @@ async def test_leaving_the_stream_during_an_update_resumes_the_backends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     backend = Backend()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with (
         agent.get_grouped_rollouts(grouped(backend)) as stream,
         stream.weight_update("keep"),
@@ -450,26 +447,26 @@ async def test_a_worker_failure_during_the_pause_resumes_under_the_old_epoch(
 # --------------------------------------------------------------------------- paths
 
 
-@attrs.define
-class HangingAgent(tr.GroupedRolloutGenerator):
-    """Its first call hangs until cancelled; later calls take 1 s. Rewards differ, so
+async def first_call_hangs(
+    agent: ScriptedAgent, request: tr.GroupedRolloutRequest
+) -> list[tr.Rollout]:
+    """The first call hangs until cancelled; later calls take 1 s. Rewards differ, so
     filtering keeps every group."""
+    if agent.calls == 1:
+        await trio.sleep_forever()
+    await trio.sleep(1)
+    return [tr.Rollout(trajectory=["x"], reward=float(i)) for i in range(2)]
 
-    calls: int = 0
 
-    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
-        self.calls += 1
-        if self.calls == 1:
-            await trio.sleep_forever()
-        await trio.sleep(1)
-        return [tr.Rollout(trajectory=["x"], reward=float(i)) for i in range(2)]
+def hanging_agent(**options: Any) -> ScriptedAgent:
+    return ScriptedAgent(script=first_call_hangs, **options)
 
 
 @pytest.mark.parametrize("filtering", [False, True], ids=["fast-path", "slow-path"])
 async def test_a_hanging_call_times_out_later_by_the_time_it_was_held(
     filtering: bool, autojump_clock: trio.testing.MockClock
 ) -> None:
-    agent = HangingAgent(
+    agent = hanging_agent(
         parallel_generation_tasks=1,
         failure_policy=tr.FailurePolicy(group_timeout=10.0, on_failure="skip"),
     )
@@ -503,7 +500,7 @@ async def test_a_hanging_call_times_out_later_by_the_time_it_was_held(
 async def test_restart_regenerates_on_every_path(
     policy: tr.FailurePolicy, filtering: bool, autojump_clock: trio.testing.MockClock
 ) -> None:
-    agent = HangingAgent(parallel_generation_tasks=1, failure_policy=policy)
+    agent = hanging_agent(parallel_generation_tasks=1, failure_policy=policy)
     request = tr.GroupedRolloutRequest(
         num_groups=1,
         rollouts_per_group=2,
@@ -524,8 +521,8 @@ async def test_restart_regenerates_on_every_path(
 
 async def test_restart_in_a_multitask_pipeline(autojump_clock: trio.testing.MockClock) -> None:
     tasks = [
-        tr.WeightedTask(agent=EpochAgent(), weight=1.0, env_id="a"),
-        tr.WeightedTask(agent=EpochAgent(), weight=1.0, env_id="b"),
+        tr.WeightedTask(agent=epoch_agent(), weight=1.0, env_id="a"),
+        tr.WeightedTask(agent=epoch_agent(), weight=1.0, env_id="b"),
     ]
     agent = tr.WeightedMultiTask(tasks=tasks, parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(embedded())) as stream:
@@ -544,7 +541,7 @@ async def test_an_update_cancelled_before_its_body_opens_the_gate(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     iface = embedded()
-    agent = EpochAgent(parallel_generation_tasks=2)
+    agent = epoch_agent(parallel_generation_tasks=2)
     async with agent.get_grouped_rollouts(grouped(iface)) as stream:
         await trio.sleep(1)
         with trio.move_on_after(1):  # the drain needs 4 s more

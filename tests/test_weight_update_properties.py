@@ -58,7 +58,6 @@ import pytest
 import trio
 import trio.lowlevel
 import trio.testing
-from _fakes import RawInterface, ScriptedAgent, rollouts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -74,6 +73,7 @@ from trio_rollouts.inference import (
     WeightUpdateError,
     WeightUpdateMode,
 )
+from trio_rollouts.testing import NullInference, ScriptedAgent, ScriptedPausable, rollouts
 
 #: Virtual seconds after which a run counts as hung.
 HANG_AFTER = 10_000.0
@@ -290,11 +290,13 @@ class CallRecord:
 
 
 @attrs.define(eq=False)
-class Scripted(InferenceInterface, tr.ReturnsRaw, Pausable):
-    """A Pausable backend that does not stamp where the epoch changed: a response carries
-    the epoch it was admitted under. It holds arrivals while paused and, under keep or
-    abort, requests in flight before their next step; ``pause`` returns when no step
-    runs. Its pause can be made to fail once; it records what it was told."""
+class Scripted(ScriptedPausable):
+    """The public scripted Pausable backend with this model checker's own pause, resume
+    and step model: it does not stamp where the epoch changed (a response carries the
+    epoch it was admitted under), holds arrivals while paused and, under keep or abort,
+    requests in flight before their next step; ``pause`` returns when no step runs, and
+    checks the pipeline's side of the contract. Its pause can be made to fail once,
+    before or after pausing; it records what it was told as ``(call, argument)``."""
 
     rec: Recorder
     modes: frozenset[WeightUpdateMode]
@@ -312,18 +314,6 @@ class Scripted(InferenceInterface, tr.ReturnsRaw, Pausable):
     stepping: int = 0
     gate: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     quiet: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
-
-    @property
-    def supported_modes(self) -> frozenset[WeightUpdateMode]:
-        return self.modes
-
-    @property
-    def policy_epoch(self) -> int:
-        return self.epoch
-
-    @property
-    def stamps_policy_epoch(self) -> bool:
-        return False
 
     async def pause(self, mode: WeightUpdateMode) -> None:
         self.log.append(("pause", mode))
@@ -388,17 +378,6 @@ class Scripted(InferenceInterface, tr.ReturnsRaw, Pausable):
         )
 
 
-@attrs.define(eq=False)
-class Plain(InferenceInterface, tr.ReturnsRaw):
-    """A backend that cannot pause (drain and restart only); it stamps nothing."""
-
-    seconds: float
-
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        await trio.sleep(self.seconds)
-        return InferenceResponse(response=ChatMessage(role="assistant", content="x"), raw_text="x")
-
-
 def make_backend(sc: Scenario, rec: Recorder) -> InferenceInterface:
     if sc.backend == "embedded":
         completion = "abcd"[: sc.tokens]
@@ -423,7 +402,8 @@ def make_backend(sc: Scenario, rec: Recorder) -> InferenceInterface:
             tokens=sc.tokens,
             epoch=sc.backend_epoch,
         )
-    return Plain(seconds=sc.first_token + sc.tokens * sc.per_token)
+    # A backend that cannot pause (drain and restart only); it stamps nothing.
+    return NullInference(completion="x", latency=sc.first_token + sc.tokens * sc.per_token)
 
 
 # --------------------------------------------------------------------------- the agent
@@ -1158,7 +1138,7 @@ async def test_a_second_eviction_of_a_partly_released_batch_keeps_its_order(
     request = tr.GroupedRolloutRequest(
         num_groups=3,
         rollouts_per_group=2,
-        inference_interface=RawInterface(),
+        inference_interface=NullInference(),
         streaming=True,
         enforce_order=True,
         max_staleness=1,
@@ -1211,7 +1191,7 @@ async def test_the_ledger_adds_up_while_timed_out_calls_shut_down(
     request = tr.GroupedRolloutRequest(
         num_groups=1,
         rollouts_per_group=2,
-        inference_interface=RawInterface(),
+        inference_interface=NullInference(),
         streaming=True,
     )
     with pytest.raises(tr.GroupTimeoutError):
