@@ -306,7 +306,10 @@ def test_eval_merge_needs_every_rank_once(letter_prompts: Path, tmp_path: Path) 
         assert invoke(*common, tmp_path / f"r{rank}.json", "--rank", rank).exit_code == 0
     missing = invoke("eval-merge", tmp_path / "r0.json", tmp_path / "r1.json")
     assert missing.exit_code == 1
-    assert error_lines(missing) == ["Error: missing rank(s) 2 of --world 3"]
+    assert error_lines(missing) == [
+        "Error: missing rank(s) 2 of world_size 3 (the eval run had --world 3): give "
+        "eval-merge every rank's file"
+    ]
     twice = invoke("eval-merge", tmp_path / "r0.json", tmp_path / "r0.json")
     assert twice.exit_code == 1
     assert "are both rank 0" in error_lines(twice)[0]

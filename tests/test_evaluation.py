@@ -387,3 +387,31 @@ async def test_a_pass_at_k_environment_is_evaluated_by_a_mixture() -> None:
         "math/greedy_accuracy",
         "math/num_prompts",
     }
+
+
+async def test_merging_checks_ranks_and_takes_them_in_any_order() -> None:
+    evaluator = agent(n=4, k=3)
+    whole = await evaluator.run_evaluation(eval_request(AnsweringInterface(), 7))
+    shards = [
+        await evaluator.run_evaluation(eval_request(AnsweringInterface(), 7, rank_info=(rank, 3)))
+        for rank in range(3)
+    ]
+    assert [s.rank_info for s in shards] == [(0, 3), (1, 3), (2, 3)]
+    assert merge_evaluation_responses(shards[::-1]) == whole
+    with pytest.raises(ValueError, match=r"missing rank\(s\) 1 of world_size 3"):
+        merge_evaluation_responses([shards[0], shards[2]])
+    with pytest.raises(ValueError, match=r"responses\[0\] and responses\[2\] are both rank 0"):
+        merge_evaluation_responses([shards[0], shards[1], shards[0]])
+    other = await evaluator.run_evaluation(eval_request(AnsweringInterface(), 7, rank_info=(1, 2)))
+    with pytest.raises(ValueError, match=r"responses\[1\] is a rank of world_size 2"):
+        merge_evaluation_responses([shards[0], other])
+    with pytest.raises(ValueError, match=r"responses\[1\] has no rank_info"):
+        merge_evaluation_responses([shards[0], whole])
+
+
+async def test_one_rank_of_two_is_not_a_whole_evaluation() -> None:
+    # The silent case this check exists for: num_prompts 6 from one rank of two.
+    evaluator = agent(n=2, k=1)
+    shard = await evaluator.run_evaluation(eval_request(AnsweringInterface(), 12, rank_info=(0, 2)))
+    with pytest.raises(ValueError, match=r"missing rank\(s\) 1 of world_size 2"):
+        merge_evaluation_responses([shard])

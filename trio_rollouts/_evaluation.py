@@ -114,12 +114,19 @@ ResponseT = TypeVar("ResponseT", bound=EvaluationResponse[Any])
 
 
 def merge_evaluation_responses(responses: Sequence[ResponseT]) -> ResponseT:
-    """Join the responses of all ranks of one sharded evaluation, given in rank order.
+    """Join the responses of all ranks of one sharded evaluation.
 
-    Returns a response of the same class whose ``results`` are the ranks' results
-    concatenated, which for shards made by :func:`shard_indices` is exactly the response
-    of an unsharded run. Every other field (``env_id``, ``k``, ...) must agree across the
-    ranks; a different class or a disagreeing field is a ``ValueError``.
+    Each response carries its shard's ``rank_info`` (``run_evaluation`` copies it from
+    the request): together they must be every rank ``0 .. world_size - 1`` of one world
+    size, each once, in any order. Returns a response of the same class whose
+    ``results`` are the ranks' results concatenated in rank order, which for shards made
+    by :func:`shard_indices` is exactly the response of an unsharded run (``rank_info``
+    ``None``). One response without ``rank_info`` (an unsharded run) is returned as it
+    is. Every other field (``env_id``, ``k``, ...) must agree across the ranks.
+
+    Raises ``ValueError`` naming what is wrong: a different class, a disagreeing field,
+    a response without ``rank_info`` among several, two world sizes, a rank given twice
+    or a missing rank.
     """
     if not responses:
         msg = "merge_evaluation_responses needs at least one response, got none"
@@ -134,7 +141,7 @@ def merge_evaluation_responses(responses: Sequence[ResponseT]) -> ResponseT:
             )
             raise ValueError(msg)
         for field in attrs.fields(cls):
-            if field.name == "results":
+            if field.name in ("results", "rank_info"):
                 continue
             mine, theirs = getattr(first, field.name), getattr(response, field.name)
             if mine != theirs:
@@ -144,8 +151,50 @@ def merge_evaluation_responses(responses: Sequence[ResponseT]) -> ResponseT:
                     "one evaluation"
                 )
                 raise ValueError(msg)
-    merged = [result for response in responses for result in response.results]
-    return attrs.evolve(first, results=merged)
+    if len(responses) == 1 and first.rank_info is None:
+        return first
+    ordered = _in_rank_order(responses)
+    merged = [result for response in ordered for result in response.results]
+    return attrs.evolve(first, results=merged, rank_info=None)
+
+
+def _in_rank_order(responses: Sequence[ResponseT]) -> list[ResponseT]:
+    """The responses by rank, checked to be every rank of one world size once."""
+    by_rank: dict[int, int] = {}
+    world: int | None = None
+    for i, response in enumerate(responses):
+        info = response.rank_info
+        if info is None:
+            msg = (
+                f"responses[{i}] has no rank_info; the responses of a sharded evaluation "
+                "each carry their (rank, world_size) (run_evaluation copies it from "
+                "EvaluationRequest.rank_info)"
+            )
+            raise ValueError(msg)
+        rank, size = info
+        if world is None:
+            world = size
+        elif size != world:
+            msg = (
+                f"responses[{i}] is a rank of world_size {size}, but responses[0] of "
+                f"world_size {world}; merge the ranks of one evaluation"
+            )
+            raise ValueError(msg)
+        if rank in by_rank:
+            msg = f"responses[{by_rank[rank]}] and responses[{i}] are both rank {rank}"
+            raise ValueError(msg)
+        by_rank[rank] = i
+    if world is None:  # pragma: no cover - responses is never empty here
+        msg = "merge_evaluation_responses needs at least one response, got none"
+        raise ValueError(msg)
+    missing = sorted(set(range(world)) - set(by_rank))
+    if missing:
+        msg = (
+            f"missing rank(s) {', '.join(map(str, missing))} of world_size {world}; merge "
+            "the responses of every rank"
+        )
+        raise ValueError(msg)
+    return [responses[by_rank[rank]] for rank in range(world)]
 
 
 # --------------------------------------------------------------------------- problems
@@ -344,4 +393,6 @@ class PassAtKEvaluationAgent(EvaluationAgent):
                     sample_rewards=sampled,
                 )
             )
-        return PassAtKEvaluationResponse(env_id=self.env_id, results=results, k=self.k)
+        return PassAtKEvaluationResponse(
+            env_id=self.env_id, results=results, k=self.k, rank_info=request.rank_info
+        )

@@ -435,6 +435,12 @@ class EvaluationResponse(Record, Generic[ResultT]):
 
     env_id: str = attrs.field(validator=_check_str)
     results: list[ResultT] = attrs.field(validator=_check_list)
+    #: ``(rank, world_size)`` of the shard these results are, as the request's
+    #: ``rank_info`` said (``None``: the whole evaluation). A merge of the ranks'
+    #: responses checks it: each rank once, one world size.
+    rank_info: tuple[int, int] | None = attrs.field(
+        default=None, converter=_to_rank_info, validator=_check_rank_info
+    )
 
     type_registry: ClassVar[dict[str, type[EvaluationResponse[Any]]]] = _RESPONSE_TYPES
 

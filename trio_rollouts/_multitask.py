@@ -516,5 +516,6 @@ class WeightedMultiTask(GroupedRolloutGenerator, EvaluationAgent):
         responses = await gather([call(env_id, agent) for env_id, agent in evaluated])
         return MultiTaskEvaluationResponse(
             env_id=self.env_id,
+            rank_info=request.rank_info,
             responses={env_id: r for (env_id, _), r in zip(evaluated, responses, strict=True)},
         )

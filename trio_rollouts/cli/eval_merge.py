@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import click
 
 from .._convert import structure, unstructure
@@ -105,10 +106,19 @@ def eval_merge(shards: tuple[Path, ...], out: Path | None, overwrite: bool) -> N
         by_rank[rank] = path
     missing = sorted(set(range(world)) - set(by_rank))
     if missing:
-        msg = f"missing rank(s) {', '.join(map(str, missing))} of --world {world}"
+        msg = (
+            f"missing rank(s) {', '.join(map(str, missing))} of world_size {world} (the "
+            f"eval run had --world {world}): give eval-merge every rank's file"
+        )
         raise click.ClickException(msg)
     ordered = sorted(files, key=lambda item: int(item[1]["rank"]))
-    responses = [structure(data["response"], EvaluationResponse) for _, data in ordered]
+    # Files written before responses carried their rank get it from the file.
+    responses = [
+        attrs.evolve(response, rank_info=response.rank_info or (int(data["rank"]), int(world)))
+        for response, data in (
+            (structure(data["response"], EvaluationResponse), data) for _, data in ordered
+        )
+    ]
     merged = merge_evaluation_responses(responses)
     metrics = merged.metrics()
     settings = {k: v for k, v in first["settings"].items() if k not in NOT_RESULTS}

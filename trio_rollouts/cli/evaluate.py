@@ -508,7 +508,9 @@ def eval_command(
         )
     position = {problem.problem_id: i for i, problem in enumerate(shard)}
     results = sorted([*done, *new], key=lambda result: position[str(result.problem_id)])
-    response = PassAtKEvaluationResponse(env_id=prompts.stem, results=results, k=k)
+    response = PassAtKEvaluationResponse(
+        env_id=prompts.stem, results=results, k=k, rank_info=(rank, world) if world > 1 else None
+    )
     metrics = response.metrics()
     write_json(
         out, {"format": EVAL_FORMAT, **job, "metrics": metrics, "response": unstructure(response)}
