@@ -622,8 +622,49 @@ def test_a_bad_row_names_its_line() -> None:
 
 def test_invalid_json_names_its_line() -> None:
     file = io.StringIO('{"trajectory": []}\n{"trajectory": [}\n')
-    with pytest.raises(ValueError, match=r"^line 2: invalid JSON: Expecting value \(column 17\)"):
+    with pytest.raises(ValueError, match=r"^line 2, column 17: invalid JSON: Expecting value"):
         list(load_jsonl(file, Rollout))
+
+
+def test_invalid_json_names_the_file_and_the_column_within_the_line(tmp_path: Path) -> None:
+    # json reports an error at a line's end as "line 2 column 1" of its document (the
+    # newline's far side); the column within the line is the one a user can find.
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text('{"trajectory": ["a"]}\n{"trajectory":\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rollouts\.jsonl, line 2, column 16: invalid JSON") as e:
+        list(load_jsonl(path, Rollout))
+    assert str(e.value).endswith('  {"trajectory":\n                 ^')
+
+
+def test_a_byte_order_mark_is_read_as_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(text_data()).encode() + b"\n")
+    assert list(load_jsonl(path, Rollout)) == [structure(text_data(), Rollout)]
+
+
+def test_a_validation_error_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text('{"trajectory": [1]}\n', encoding="utf-8")
+    with pytest.raises(ValidationError, match=r"rollouts\.jsonl, line 1: 1 validation error") as e:
+        list(load_jsonl(path, Rollout))
+    assert e.value.line == 1
+    assert e.value.source == str(path)
+
+
+def test_swapped_arguments_are_a_clear_type_error(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    with pytest.raises(TypeError, match=r"takes the objects first and the file second"):
+        dump_jsonl(path, rollouts(1))  # type: ignore[arg-type]
+    assert not path.exists()
+    with pytest.raises(TypeError, match=r"the arguments look swapped: the file comes first"):
+        load_jsonl(Rollout, path)  # type: ignore[arg-type]
+
+
+def test_an_empty_file_is_zero_records(tmp_path: Path) -> None:
+    # What dump_jsonl writes for no objects reads back as no objects.
+    path = tmp_path / "rollouts.jsonl"
+    assert dump_jsonl([], path) == 0
+    assert list(load_jsonl(path, Rollout)) == []
 
 
 def test_a_truncated_last_line_is_reported(tmp_path: Path) -> None:
@@ -631,7 +672,8 @@ def test_a_truncated_last_line_is_reported(tmp_path: Path) -> None:
     dump_jsonl(rollouts(3), path)
     path.write_text(path.read_text(encoding="utf-8")[:-10], encoding="utf-8")
     with pytest.raises(
-        ValueError, match=r"^line 3 is truncated: the file does not end with a newline"
+        ValueError,
+        match=r"rollouts\.jsonl, line 3 is truncated: the file does not end with a newline",
     ):
         list(load_jsonl(path, Rollout))
 

@@ -35,8 +35,9 @@ class ValidationError(ValueError):
 
     ``errors`` lists every problem found as ``(message, path)`` pairs, the path written
     as ``$.rollouts[2].trajectory[0][5]`` (``$`` is the value passed to ``structure``).
-    ``target`` names the type structured to, and ``line`` is the 1-based line number
-    when the data came from :func:`load_jsonl` (else ``None``).
+    ``target`` names the type structured to, ``line`` is the 1-based line number when
+    the data came from :func:`load_jsonl` (else ``None``), and ``source`` the file's name
+    when it has one.
     """
 
     def __init__(
@@ -44,21 +45,25 @@ class ValidationError(ValueError):
         errors: Sequence[tuple[str, str]],
         target: str | None = None,
         line: int | None = None,
+        source: str | None = None,
     ) -> None:
         self.errors: list[tuple[str, str]] = list(errors)
         self.target = target
         self.line = line
+        self.source = source
         count = len(self.errors)
         head = f"{count} validation error{'' if count == 1 else 's'}"
         if target is not None:
             head = f"{head} for {target}"
         if line is not None:
             head = f"line {line}: {head}"
+        if source is not None:
+            head = f"{source}, {head}"
         body = "".join(f"\n  {message} @ {path}" for message, path in self.errors)
         super().__init__(head + body)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.errors, self.target, self.line))
+        return (type(self), (self.errors, self.target, self.line, self.source))
 
 
 class Invalid(Exception):
