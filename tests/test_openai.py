@@ -46,8 +46,8 @@ from trio_rollouts.inference import (
     ServerError,
     render_plain_chat,
 )
-from trio_rollouts.inference._lean_http import ConnectionPool
-from trio_rollouts.inference._openai import _retry_after
+from trio_rollouts.inference._parse import retry_after as _retry_after
+from trio_rollouts.inference._transport import HTTPXTransport, LeanTransport, Transport
 
 #: No waiting between attempts: these tests count attempts, not seconds.
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
@@ -636,21 +636,23 @@ async def test_ties_between_replicas_go_round_robin(
 def _assert_no_slot_leaked(interface: OpenAIInference, max_connections: int) -> None:
     state = interface._run_state.get()
     assert state is not None
-    if isinstance(state.client, ConnectionPool):
-        stats = state.client.statistics()
+    if isinstance(state.transport, LeanTransport):
+        stats = state.transport.pool.statistics()
         assert (stats.active, stats.waiting) == (0, 0)
         assert stats.connections <= max_connections
         return
+    assert isinstance(state.transport, HTTPXTransport)
     # Private httpx2/httpcore2 internals, read only to prove that no slot leaked.
-    pool = state.client._transport._pool
+    pool = state.transport.client._transport._pool
     assert len(pool.connections) <= max_connections
     assert pool._requests == []
 
 
-def _is_closed(client: httpx2.AsyncClient | ConnectionPool) -> bool:
-    if isinstance(client, ConnectionPool):
-        return client.statistics().connections == 0
-    return client.is_closed
+def _is_closed(client: Transport) -> bool:
+    if isinstance(client, LeanTransport):
+        return client.pool.statistics().connections == 0
+    assert isinstance(client, HTTPXTransport)
+    return client.client.is_closed
 
 
 async def test_cancellation_storm_leaks_no_connection_slot(server: FakeOpenAIServer) -> None:
@@ -768,14 +770,14 @@ def test_a_client_is_closed_when_its_trio_run_ends(
 
 def _record_clients(
     monkeypatch: pytest.MonkeyPatch,
-) -> list[httpx2.AsyncClient | ConnectionPool]:
-    clients: list[httpx2.AsyncClient | ConnectionPool] = []
-    make_client = OpenAIInference._make_client
+) -> list[Transport]:
+    clients: list[Transport] = []
+    make_client = OpenAIInference._make_transport
 
-    def recording(self: OpenAIInference) -> httpx2.AsyncClient | ConnectionPool:
+    def recording(self: OpenAIInference) -> Transport:
         client = make_client(self)
         clients.append(client)
         return client
 
-    monkeypatch.setattr(OpenAIInference, "_make_client", recording)
+    monkeypatch.setattr(OpenAIInference, "_make_transport", recording)
     return clients
