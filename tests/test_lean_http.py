@@ -11,6 +11,7 @@ import random
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import pytest
 import trio
@@ -108,6 +109,43 @@ async def test_sequential_requests_reuse_one_keepalive_connection() -> None:
         assert server.accepted == 1
         assert pool.statistics() == idle_stats(1)
         await pool.aclose()
+
+
+async def test_idle_connections_beyond_max_keepalive_are_closed() -> None:
+    pool = make_pool(4, max_keepalive_connections=1)
+    async with raw_server(echo_handler) as server, trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(pool.request, "GET", server.url())
+    assert server.accepted == 3
+    assert pool.statistics() == idle_stats(1)
+
+
+async def test_a_content_function_is_called_once_the_request_holds_a_slot() -> None:
+    release = trio.Event()
+    body = ["built while waiting"]
+
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            if request.body == b"first":
+                await release.wait()
+            await conn.send(echo(request))
+
+    pool = make_pool(1)
+    replies: list[bytes] = []
+
+    async def second() -> None:
+        reply = await pool.request("POST", server.url(), content=lambda: body[0].encode())
+        replies.append(reply.content)
+
+    async with raw_server(handler) as server, trio.open_nursery() as nursery:
+        nursery.start_soon(partial(pool.request, "POST", server.url(), content=b"first"))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pool.statistics().waiting == 1
+        body[0] = "built when sent"
+        release.set()
+    assert replies == [b"POST / built when sent"]
 
 
 async def test_request_sends_host_user_agent_content_length_and_given_headers() -> None:

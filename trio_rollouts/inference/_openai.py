@@ -198,8 +198,9 @@ def _check_limits(instance: Any, attribute: attrs.Attribute[Any], value: object)
 
 
 def _default_max_connections(self: Any) -> int:
-    given: Limits | None = self._given_limits
-    return DEFAULT_MAX_CONNECTIONS if given is None else given.max_connections
+    # (Runs before the validators: a given limits that is not a Limits is refused there.)
+    given = self._given_limits
+    return given.max_connections if isinstance(given, Limits) else DEFAULT_MAX_CONNECTIONS
 
 
 def _check_extra_body(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
