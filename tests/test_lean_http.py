@@ -11,6 +11,7 @@ import random
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import pytest
 import trio
@@ -26,12 +27,11 @@ from _raw_http_server import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_rollouts.inference import _lean_http
+from trio_rollouts.inference import Timeout, _lean_http
 from trio_rollouts.inference._lean_http import (
     ConnectError,
     ConnectionPool,
     ConnectTimeout,
-    HTTPTimeouts,
     LeanHTTPError,
     NetworkError,
     PoolStatistics,
@@ -43,7 +43,7 @@ from trio_rollouts.inference._lean_http import (
     WriteTimeout,
 )
 
-TIMEOUTS = HTTPTimeouts(connect=5.0, read=5.0, write=5.0, pool=5.0)
+TIMEOUTS = Timeout(connect=5.0, read=5.0, write=5.0, pool=5.0)
 
 
 _POOLS: list[ConnectionPool] = []
@@ -109,6 +109,43 @@ async def test_sequential_requests_reuse_one_keepalive_connection() -> None:
         assert server.accepted == 1
         assert pool.statistics() == idle_stats(1)
         await pool.aclose()
+
+
+async def test_idle_connections_beyond_max_keepalive_are_closed() -> None:
+    pool = make_pool(4, max_keepalive_connections=1)
+    async with raw_server(echo_handler) as server, trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(pool.request, "GET", server.url())
+    assert server.accepted == 3
+    assert pool.statistics() == idle_stats(1)
+
+
+async def test_a_content_function_is_called_once_the_request_holds_a_slot() -> None:
+    release = trio.Event()
+    body = ["built while waiting"]
+
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            if request.body == b"first":
+                await release.wait()
+            await conn.send(echo(request))
+
+    pool = make_pool(1)
+    replies: list[bytes] = []
+
+    async def second() -> None:
+        reply = await pool.request("POST", server.url(), content=lambda: body[0].encode())
+        replies.append(reply.content)
+
+    async with raw_server(handler) as server, trio.open_nursery() as nursery:
+        nursery.start_soon(partial(pool.request, "POST", server.url(), content=b"first"))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pool.statistics().waiting == 1
+        body[0] = "built when sent"
+        release.set()
+    assert replies == [b"POST / built when sent"]
 
 
 async def test_request_sends_host_user_agent_content_length_and_given_headers() -> None:
@@ -286,8 +323,8 @@ async def test_invalid_header_raises_value_error_and_holds_no_slot() -> None:
 
 
 async def test_invalid_configuration_names_the_argument() -> None:
-    with pytest.raises(ValueError, match=r"HTTPTimeouts\.read=-1"):
-        HTTPTimeouts(connect=1, read=-1, write=1, pool=1)
+    with pytest.raises(ValueError, match=r"Timeout\.read must be >= 0 seconds"):
+        Timeout(connect=1, read=-1, write=1, pool=1)
     with pytest.raises(ValueError, match="max_connections=0"):
         make_pool(0)
 
@@ -807,7 +844,7 @@ async def test_connect_failure_from_the_opener_is_a_connect_error() -> None:
 async def test_pool_timeout_when_every_connection_is_busy(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    pool = make_pool(1, timeouts=HTTPTimeouts(connect=5, read=None, write=5, pool=2))
+    pool = make_pool(1, timeouts=Timeout(connect=5, read=None, write=5, pool=2))
     async with raw_server(never_answer) as server, trio.open_nursery() as nursery:
         nursery.start_soon(pool.request, "GET", server.url())
         await trio.testing.wait_all_tasks_blocked()
@@ -860,7 +897,7 @@ async def test_cancel_storm_leaks_no_slot(autojump_clock: trio.testing.MockClock
             await trio.sleep(rng.uniform(0, 0.01))
             await conn.send(data[cut:])
 
-    pool = make_pool(4, timeouts=HTTPTimeouts(connect=5, read=5, write=5, pool=None))
+    pool = make_pool(4, timeouts=Timeout(connect=5, read=5, write=5, pool=None))
     outcomes: list[str] = []
 
     async def one(delay: float, cancel_after: float) -> None:

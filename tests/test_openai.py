@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import pickle
 import random
+import re
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,6 +38,7 @@ from trio_rollouts.inference import (
     InferenceError,
     InferenceRequest,
     InferenceTimeoutError,
+    Limits,
     MalformedResponseError,
     OpenAIInference,
     RateLimitError,
@@ -44,10 +46,11 @@ from trio_rollouts.inference import (
     ReturnsLogProbs,
     ReturnsRaw,
     ServerError,
+    Timeout,
     render_plain_chat,
 )
-from trio_rollouts.inference._lean_http import ConnectionPool
-from trio_rollouts.inference._openai import _retry_after
+from trio_rollouts.inference._parse import retry_after as _retry_after
+from trio_rollouts.inference._transport import HTTPXTransport, LeanTransport, Transport
 
 #: No waiting between attempts: these tests count attempts, not seconds.
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
@@ -120,6 +123,62 @@ def test_defaults_are_explicit_timeout_and_limits() -> None:
 def test_timeout_accepts_seconds() -> None:
     interface = make("http://127.0.0.1:1/v1", timeout=2.5)
     assert interface.timeout == httpx2.Timeout(2.5)
+
+
+def test_timeout_and_limits_are_the_librarys_own_types() -> None:
+    timeout = Timeout(connect=1.0, read=2.0, write=3.0, pool=None)
+    interface = make(
+        "http://127.0.0.1:1/v1",
+        timeout=timeout,
+        limits=Limits(max_connections=3, keepalive_expiry=1),
+    )
+    assert interface.timeout == timeout
+    assert interface.limits == Limits(
+        max_connections=3, max_keepalive_connections=3, keepalive_expiry=1
+    )
+    assert interface.max_connections == 3
+
+
+def test_default_timeout_is_the_documented_one() -> None:
+    assert DEFAULT_TIMEOUT == Timeout() == Timeout(connect=5.0, read=600.0, write=600.0, pool=None)
+    assert httpx2.Timeout(600.0, connect=5.0, pool=None) == DEFAULT_TIMEOUT
+
+
+def test_an_httpx2_timeout_is_still_accepted_and_converted() -> None:
+    interface = make("http://127.0.0.1:1/v1", timeout=httpx2.Timeout(9.0, connect=1.0))
+    assert type(interface.timeout) is Timeout
+    assert interface.timeout == Timeout(connect=1.0, read=9.0, write=9.0, pool=9.0)
+
+
+def test_none_is_no_limit_for_every_phase() -> None:
+    interface = make("http://127.0.0.1:1/v1", timeout=None)
+    assert interface.timeout == Timeout(connect=None, read=None, write=None, pool=None)
+
+
+def test_limits_and_max_connections_must_agree() -> None:
+    with pytest.raises(ValueError, match="disagree"):
+        make("http://127.0.0.1:1/v1", max_connections=7, limits=Limits(max_connections=3))
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "name"),
+    [
+        (lambda: Timeout(read=-1.0), ValueError, "Timeout.read"),
+        (lambda: Timeout(connect=float("nan")), ValueError, "Timeout.connect"),
+        (lambda: Timeout(pool="5"), TypeError, "Timeout.pool"),
+        (lambda: Limits(max_connections=0), ValueError, "max_connections"),
+        (lambda: Limits(max_keepalive_connections=1.5), TypeError, "max_keepalive_connections"),
+        (lambda: Limits(keepalive_expiry=-1), ValueError, "Limits.keepalive_expiry"),
+        (lambda: make("http://127.0.0.1:1/v1", timeout="5"), TypeError, "Timeout"),
+        (lambda: make("http://127.0.0.1:1/v1", timeout=-2), ValueError, "Timeout.connect"),
+        (lambda: make("http://127.0.0.1:1/v1", limits=8), TypeError, "Limits"),
+    ],
+)
+def test_a_bad_timeout_or_limit_names_the_field(
+    build: Any, error: type[Exception], name: str
+) -> None:
+    with pytest.raises(error, match=re.escape(name)):
+        build()
 
 
 def test_base_url_list_is_normalized() -> None:
@@ -521,6 +580,30 @@ async def test_slow_server_raises_timeout_error(server: FakeOpenAIServer) -> Non
     assert f"{server.base_url}/chat/completions" in str(caught.value)
 
 
+async def test_a_timeout_error_names_the_field_to_raise(server: FakeOpenAIServer) -> None:
+    server.default = Reply(delay=10.0)
+    interface = make(server.base_url, timeout=Timeout(read=0.2), max_retries=0)
+    with trio.fail_after(PROMPT), pytest.raises(InferenceTimeoutError) as caught:
+        await interface.agenerate(ask(interface))
+    assert "read timeout of 0.2 s; raise Timeout.read" in str(caught.value)
+
+
+async def test_a_pool_timeout_names_the_pool_field(server: FakeOpenAIServer) -> None:
+    server.gate = trio.Event()
+    interface = make(server.base_url, max_connections=1, timeout=Timeout(pool=0.2), max_retries=0)
+    with trio.fail_after(PROMPT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(interface.agenerate, ask(interface))
+            await server.wait_received(1)
+            with pytest.raises(InferenceTimeoutError) as caught:
+                await interface.agenerate(ask(interface))
+            server.gate.set()
+    assert "pool timeout of 0.2 s; raise Timeout.pool or Limits.max_connections" in str(
+        caught.value
+    )
+    assert len(server.received) == 1
+
+
 async def test_malformed_json_is_a_clear_error(server: FakeOpenAIServer) -> None:
     server.reply(Reply(text="{'choices': oops"))
     interface = make(server.base_url, max_retries=3)
@@ -636,21 +719,23 @@ async def test_ties_between_replicas_go_round_robin(
 def _assert_no_slot_leaked(interface: OpenAIInference, max_connections: int) -> None:
     state = interface._run_state.get()
     assert state is not None
-    if isinstance(state.client, ConnectionPool):
-        stats = state.client.statistics()
+    if isinstance(state.transport, LeanTransport):
+        stats = state.transport.pool.statistics()
         assert (stats.active, stats.waiting) == (0, 0)
         assert stats.connections <= max_connections
         return
+    assert isinstance(state.transport, HTTPXTransport)
     # Private httpx2/httpcore2 internals, read only to prove that no slot leaked.
-    pool = state.client._transport._pool
+    pool = state.transport.client._transport._pool
     assert len(pool.connections) <= max_connections
     assert pool._requests == []
 
 
-def _is_closed(client: httpx2.AsyncClient | ConnectionPool) -> bool:
-    if isinstance(client, ConnectionPool):
-        return client.statistics().connections == 0
-    return client.is_closed
+def _is_closed(client: Transport) -> bool:
+    if isinstance(client, LeanTransport):
+        return client.pool.statistics().connections == 0
+    assert isinstance(client, HTTPXTransport)
+    return client.client.is_closed
 
 
 async def test_cancellation_storm_leaks_no_connection_slot(server: FakeOpenAIServer) -> None:
@@ -768,14 +853,14 @@ def test_a_client_is_closed_when_its_trio_run_ends(
 
 def _record_clients(
     monkeypatch: pytest.MonkeyPatch,
-) -> list[httpx2.AsyncClient | ConnectionPool]:
-    clients: list[httpx2.AsyncClient | ConnectionPool] = []
-    make_client = OpenAIInference._make_client
+) -> list[Transport]:
+    clients: list[Transport] = []
+    make_client = OpenAIInference._make_transport
 
-    def recording(self: OpenAIInference) -> httpx2.AsyncClient | ConnectionPool:
+    def recording(self: OpenAIInference) -> Transport:
         client = make_client(self)
         clients.append(client)
         return client
 
-    monkeypatch.setattr(OpenAIInference, "_make_client", recording)
+    monkeypatch.setattr(OpenAIInference, "_make_transport", recording)
     return clients

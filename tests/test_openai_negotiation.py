@@ -467,3 +467,29 @@ async def test_a_validation_list_locating_a_negotiable_field_drops_it(
 )
 def test_a_refusal_names_whole_fields_only(data: object, message: str, named: set[str]) -> None:
     assert named_fields(data, message, ["return_token_ids", "logprobs"]) == named
+
+
+@pytest.mark.parametrize("transport", ["lean", "httpx2"])
+async def test_requests_waiting_for_a_connection_learn_from_the_first_refusal(
+    transport: str,
+) -> None:
+    # 32 first requests through 8 connections: the body is built when a request has its
+    # connection, so only the 8 sent before the first refusal carry the refused field,
+    # about one refusal per connection, not one per request.
+    server = transformers_like()
+    async with serving(server):
+        interface = make(server.base_url, max_connections=8, max_retries=0, transport=transport)
+        results: list[Any] = []
+
+        async def one() -> None:
+            results.append(await interface.agenerate(ask(interface)))
+
+        with trio.fail_after(PROMPT):
+            async with trio.open_nursery() as nursery:
+                for _ in range(32):
+                    nursery.start_soon(one)
+    refusals = sum("return_token_ids" in r.body for r in server.received)
+    assert len(results) == 32
+    assert 1 <= refusals <= 8
+    assert len(server.received) == 32 + refusals
+    assert server.max_in_flight <= 8

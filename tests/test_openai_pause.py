@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 import pytest
+import stamina
 import trio
 import trio.testing
 from _openai_server import FakeOpenAIServer, Reply, serving, serving_in_thread
@@ -362,6 +363,27 @@ async def test_a_failed_resume_is_raised_and_retried_by_the_next_resume(
         await interface.resume(1)
     assert vllm.paused is None
     assert [path for path, _ in vllm.control_received] == ["/pause?mode=keep", "/resume", "/resume"]
+
+
+async def test_control_calls_are_retried_through_stamina_as_requests_are(
+    vllm: FakeOpenAIServer,
+) -> None:
+    vllm.gate.set()  # type: ignore[union-attr]
+    backoff = RetryBackoff(initial=0.01, maximum=0.01, jitter=0.0)
+    interface = make(vllm.base_url, server="vllm", max_retries=2, backoff=backoff)
+    waits: list[float] = []
+    stamina.instrumentation.set_on_retry_hooks([lambda details: waits.append(details.wait_for)])
+    try:
+        with trio.fail_after(PROMPT):
+            await interface.pause("keep")
+            vllm.control_status["/resume"] = 503
+            with pytest.raises(ServerError, match="503") as info:
+                await interface.resume(1)
+    finally:
+        stamina.instrumentation.set_on_retry_hooks(None)
+    assert [path for path, _ in vllm.control_received] == ["/pause?mode=keep"] + ["/resume"] * 3
+    assert waits == [0.01, 0.01]
+    assert "gave up after 3 attempts (max_retries=2)" in info.value.__notes__
 
 
 async def test_resume_is_idempotent(vllm: FakeOpenAIServer) -> None:

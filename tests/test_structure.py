@@ -75,18 +75,20 @@ def _runtime_imports(module: str, tree: ast.Module, is_package: bool) -> set[str
 def test_no_runtime_import_cycle() -> None:
     modules = _modules()
     packages = {name for name in modules if (PACKAGE.parent / name.replace(".", "/")).is_dir()}
-    graph = {
-        name: {
-            target
-            for target in _runtime_imports(name, tree, name in packages)
-            if target in modules and target != name
-        }
-        for name, tree in modules.items()
-    }
-    # A package's __init__ importing its own submodules is how re-exports work, and a
-    # submodule importing a sibling through the package is not a cycle of its own.
-    for name in packages:
-        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    graph: dict[str, set[str]] = {}
+    for name, tree in modules.items():
+        targets = set()
+        for target in _runtime_imports(name, tree, name in packages):
+            # Importing a.b.c imports the package a.b first (unless the importer is
+            # inside it, when it is already being imported).
+            parts = target.split(".")
+            for end in range(2, len(parts) + 1):
+                ancestor = ".".join(parts[:end])
+                if ancestor == name or name.startswith(ancestor + "."):
+                    continue
+                if ancestor in modules:
+                    targets.add(ancestor)
+        graph[name] = targets
     cycles: list[list[str]] = []
     state: dict[str, int] = {}
 

@@ -1,5 +1,9 @@
 """Inference: the interface agents call, and the backends that implement it."""
 
+from ._config import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
+from ._config import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from ._config import Limits as Limits
+from ._config import Timeout as Timeout
 from ._embedded import EmbeddedInference as EmbeddedInference
 from ._embedded import HashedPromptPolicy as HashedPromptPolicy
 from ._embedded import LatencyModel as LatencyModel
@@ -23,13 +27,11 @@ from ._interface import ReturnsLogProbs as ReturnsLogProbs
 from ._interface import ReturnsRaw as ReturnsRaw
 from ._interface import ReturnsTokens as ReturnsTokens
 from ._interface import render_plain_chat as render_plain_chat
-from ._openai import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
 from ._openai import DEFAULT_MAX_RETRIES as DEFAULT_MAX_RETRIES
-from ._openai import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from ._openai import OpenAIInference as OpenAIInference
 from ._openai import OpenAIStatistics as OpenAIStatistics
-from ._openai import RetryBackoff as RetryBackoff
 from ._pausable import WEIGHT_UPDATE_MODES as WEIGHT_UPDATE_MODES
 from ._pausable import Pausable as Pausable
 from ._pausable import WeightUpdateError as WeightUpdateError
 from ._pausable import WeightUpdateMode as WeightUpdateMode
+from ._retry import RetryBackoff as RetryBackoff

@@ -1,9 +1,14 @@
 """Pausing OpenAI-compatible servers for weight updates: the control endpoints of vLLM and
-SGLang, the client-side hold, and the continuation of aborted requests.
+SGLang, their fan-out over the replicas, the client-side hold, and the continuation of
+aborted requests.
 
-:class:`~trio_rollouts.inference.OpenAIInference` drives these; this module holds what
-does not need its HTTP client: which endpoint each server has for each step, the
-per-run pause state, and how an aborted response and its continuation become one.
+:class:`~trio_rollouts.inference.OpenAIInference` drives these through
+:class:`ControlEndpoints`, which sends each step to every replica concurrently through the
+run's :class:`~._transport.Transport` (retrying as generation requests are, through
+stamina) and reports the replicas that failed; the interface keeps the state (the
+epoch, the hold, which replicas may be paused). This module also holds which endpoint each
+server has for each step, the per-run pause state, and how an aborted response and its
+continuation become one.
 
 The endpoints (``docs/backends.md``, "Pausing for weight updates"):
 
@@ -24,11 +29,17 @@ import attrs
 import httpx2
 import trio
 
+from ._errors import InferenceError, InferenceTimeoutError
 from ._interface import InferenceResponse
-from ._pausable import WeightUpdateMode
+from ._parse import error_for_status
+from ._pausable import WeightUpdateError, WeightUpdateMode
+from ._retry import RetryBackoff, call_with_retries
+from ._transport import Transport, encode_json
 
 __all__ = [
     "SERVER_KINDS",
+    "VERSION_SEGMENT",
+    "ControlEndpoints",
     "PauseState",
     "ServerKind",
     "continuation_body",
@@ -49,7 +60,14 @@ ABORT: Final = "abort"
 #: A control call: a path below the server's root and a JSON body (``None``: no body).
 ControlCall = tuple[str, dict[str, Any] | None]
 
-_VERSION_SEGMENT = re.compile(r"v\d+[a-z0-9]*", re.IGNORECASE)
+#: The last path segment of an API root: "v1", "v2", "v1beta".
+VERSION_SEGMENT = re.compile(r"v\d+[a-z0-9]*", re.IGNORECASE)
+
+#: How long resuming may take, all replicas together, before it gives up (shielded).
+RESUME_TIMEOUT: Final = 60.0
+
+#: The control paths that end a server-side pause.
+_RESUME_PATHS = frozenset({"/resume", "/continue_generation"})
 
 
 @attrs.define(eq=False)
@@ -89,7 +107,7 @@ def control_root(base_url: str) -> str:
     url = httpx2.URL(base_url)
     path = url.path.rstrip("/")
     head, _, last = path.rpartition("/")
-    if _VERSION_SEGMENT.fullmatch(last):
+    if VERSION_SEGMENT.fullmatch(last):
         path = head
     return str(url.copy_with(path=path or "/")).rstrip("/")
 
@@ -129,6 +147,148 @@ def missing_endpoint_hint(server: ServerKind, path: str) -> str:
         f"; this SGLang does not serve {path}: upgrade SGLang, or pass server=None to pause "
         "client-side only (drain, restart)"
     )
+
+
+# --------------------------------------------------------------------------- fan-out
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ControlEndpoints:
+    """The control endpoints of one interface's replicas (index = replica), and the
+    fan-out of a pause or a resume to all of them.
+
+    ``paused`` arguments are the interface's set of replicas that may be paused
+    server-side (a pause was sent and no resume has succeeded since); these methods
+    update it as replies arrive.
+    """
+
+    server: ServerKind
+    roots: tuple[str, ...]  # each replica's root (base_url less "/v1")
+    shown_roots: tuple[str, ...]  # the same without credentials, for messages
+    api_key: str | None
+    max_retries: int
+    backoff: RetryBackoff
+
+    async def pause(
+        self, transport: Transport, mode: WeightUpdateMode, paused: set[int]
+    ) -> WeightUpdateError | None:
+        """Pause every replica for ``mode`` (``keep`` or ``abort``), concurrently, without
+        retrying; return once all have answered: ``None`` if all paused, else the
+        :class:`WeightUpdateError` to raise (from the first failure, the others as notes),
+        once the caller has resumed them. Cancellation: replicas may be left paused."""
+        path, body = pause_call(self.server, mode)
+        failures: dict[int, InferenceError] = {}
+
+        async def pause_one(index: int) -> None:
+            paused_before = index in paused
+            paused.add(index)
+            try:
+                await self.post(transport, index, path, body, retries=0)
+            except InferenceError as exc:
+                failures[index] = exc
+                if exc.status is not None and 400 <= exc.status < 500 and not paused_before:
+                    paused.discard(index)  # refused: this pause did not pause it
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self.roots)):
+                nursery.start_soon(pause_one, index)
+        if not failures:
+            return None
+        index = min(failures)
+        cause = failures[index]
+        msg = (
+            f"pausing {self.server} for mode {mode!r} failed at {self.shown_roots[index]} "
+            f"({len(failures)} of {len(self.roots)} replicas failed): {cause}"
+        )
+        error = WeightUpdateError(msg)
+        error.__cause__ = cause
+        for other, exc in sorted(failures.items())[1:]:
+            error.add_note(f"{self.shown_roots[other]} failed too: {exc}")
+        return error
+
+    async def resume(
+        self, transport: Transport, paused: set[int], new_version: int | None
+    ) -> InferenceError | None:
+        """Resume every replica in ``paused`` and, with SGLang, send ``new_version`` (if not
+        ``None``) to every replica first; concurrently, retrying transient failures, all
+        within :data:`RESUME_TIMEOUT`. Returns ``None``, or the error to raise: the first
+        replica's failure, with a note that it may still be paused and the others as
+        notes. A replica that failed stays in ``paused``.
+
+        Cancellation: runs shielded, bounded by :data:`RESUME_TIMEOUT`.
+        """
+        failures: dict[int, InferenceError] = {}
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + RESUME_TIMEOUT
+            async with trio.open_nursery() as nursery:
+                for index in range(len(self.roots)):
+                    calls = resume_calls(
+                        self.server, paused=index in paused, new_version=new_version
+                    )
+                    if calls:
+                        nursery.start_soon(
+                            self._resume_one, transport, index, calls, paused, failures
+                        )
+        if scope.cancelled_caught:
+            for index in paused - failures.keys():
+                shown = self.shown_roots[index]
+                failures[index] = InferenceTimeoutError(
+                    f"resuming {shown} did not finish within {RESUME_TIMEOUT} s", url=shown
+                )
+        if not failures:
+            return None
+        index = min(failures)
+        error = failures[index]
+        error.add_note(f"{self.server} replica {self.shown_roots[index]} may still be paused")
+        for other, exc in sorted(failures.items())[1:]:
+            error.add_note(f"{self.shown_roots[other]} failed to resume too: {exc}")
+        return error
+
+    async def _resume_one(
+        self,
+        transport: Transport,
+        index: int,
+        calls: list[ControlCall],
+        paused: set[int],
+        failures: dict[int, InferenceError],
+    ) -> None:
+        first: InferenceError | None = None
+        for path, body in calls:  # every call is made, even after one fails
+            try:
+                await self.post(transport, index, path, body, retries=self.max_retries)
+            except InferenceError as exc:
+                first = first or exc
+            else:
+                if path in _RESUME_PATHS:
+                    paused.discard(index)
+        if first is not None:
+            failures[index] = first
+
+    async def post(
+        self,
+        transport: Transport,
+        index: int,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        retries: int,
+    ) -> None:
+        """POST one control request to replica ``index``'s root; a non-2xx answer is its
+        :class:`InferenceError` (a 404 or 405 says how to get the endpoint). Transient
+        failures are retried ``retries`` times, waiting as the backoff says."""
+        url = self.roots[index] + path
+        shown = self.shown_roots[index] + path
+        content = b"" if body is None else encode_json(body)
+
+        async def attempt() -> None:
+            response = await transport.post(url, shown, lambda: content)
+            status = response.status_code
+            if 200 <= status < 300:
+                return
+            hint = missing_endpoint_hint(self.server, path) if status in (404, 405) else ""
+            raise error_for_status(response, shown, self.api_key, hint)
+
+        await call_with_retries(attempt, max_retries=retries, backoff=self.backoff)
 
 
 # --------------------------------------------------------------------------- continuation

@@ -17,13 +17,14 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
 
+from .._checks import check_natural, int_at_least, non_negative
 from .._messages import ChatMessage, GenerationArgs
 from ._interface import (
     InferenceInterface,
@@ -42,15 +43,6 @@ __all__ = ["EmbeddedInference", "HashedPromptPolicy", "LatencyModel", "Policy"]
 Policy: TypeAlias = Callable[[list[ChatMessage]], tuple[Sequence[str], npt.ArrayLike]]
 
 
-def _check_non_negative(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        msg = f"{attribute.name} must be a number >= 0, got {value!r}"
-        raise TypeError(msg)
-    if not math.isfinite(value) or value < 0:
-        msg = f"{attribute.name} must be a finite number >= 0, got {value!r}"
-        raise ValueError(msg)
-
-
 @attrs.frozen(kw_only=True)
 class LatencyModel:
     """How long a simulated generation takes.
@@ -61,13 +53,13 @@ class LatencyModel:
     ``"exponential"``, or ``"lognormal"`` (shape ``sigma``).
     """
 
-    first_token: float = attrs.field(default=0.05, validator=_check_non_negative)
-    per_token: float = attrs.field(default=0.002, validator=_check_non_negative)
+    first_token: float = attrs.field(default=0.05, validator=non_negative)
+    per_token: float = attrs.field(default=0.002, validator=non_negative)
     distribution: Literal["constant", "exponential", "lognormal"] = attrs.field(
         default="lognormal",
         validator=attrs.validators.in_(("constant", "exponential", "lognormal")),
     )
-    sigma: float = attrs.field(default=0.5, validator=_check_non_negative)
+    sigma: float = attrs.field(default=0.5, validator=non_negative)
 
     def speed_factor(self, rng: np.random.Generator) -> float:
         """Draw a request's speed factor (mean 1)."""
@@ -101,19 +93,6 @@ class HashedPromptPolicy:
         digest = _prompt_digest(render_plain_chat(prompt))
         rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
         return self.completions, rng.dirichlet([self.concentration] * len(self.completions))
-
-
-def _check_natural(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"{name} must be an int >= 0, got {value!r}"
-        raise TypeError(msg)
-    if value < 0:
-        msg = f"{name} must be >= 0, got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    _check_natural("seed", value)
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -150,7 +129,7 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausabl
     :attr:`generation_epoch`.
     """
 
-    seed: int = attrs.field(default=0, validator=_check_seed)
+    seed: int = attrs.field(default=0, validator=int_at_least(0))
     policy: Policy = attrs.field(
         factory=HashedPromptPolicy, validator=attrs.validators.is_callable()
     )
@@ -269,7 +248,7 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausabl
         Cancellation: never interrupted; the state changes before its only schedule
         point, which cannot raise ``Cancelled``.
         """
-        _check_natural("epoch", epoch)
+        check_natural("epoch", epoch)
         self._generation_epoch = epoch
         state = self._run_states.get()
         if state is not None and state.pause is not None:
@@ -290,7 +269,7 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausabl
         :meth:`pause` and :meth:`resume` (whose epoch is the one held requests go on
         under).
         """
-        _check_natural("epoch", epoch)
+        check_natural("epoch", epoch)
         self._generation_epoch = epoch
 
     async def base_generate(self, request: InferenceRequest) -> InferenceResponse:

@@ -6,6 +6,10 @@ log line is enough to act on. :data:`TRANSIENT_ERRORS` lists the ones worth retr
 backend retries exactly these, and callers that add their own retry layer should use the
 same tuple. No error ever carries the API key: the backend redacts it from the server's
 message before the error is built.
+
+Where they come from: an HTTP status maps to its class in ``_parse.status_class``, and a
+request that got no response (either transport's exception) in
+``_transport.transport_error``; nothing else maps errors.
 """
 
 from __future__ import annotations

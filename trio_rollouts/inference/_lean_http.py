@@ -3,7 +3,7 @@
 One :class:`ConnectionPool` serves every origin (all replicas) under one ``max_connections``
 limit. A request takes an idle keep-alive connection of its origin (most recently used
 first), or opens one; at the limit it closes an idle connection of another origin to make
-room, or else waits first-in first-out for a slot, up to ``HTTPTimeouts.pool``. The HTTP is
+room, or else waits first-in first-out for a slot, up to ``Timeout.pool``. The HTTP is
 done by well-kept parsers, not here: h11 serializes each request head (once per header set),
 and responses are parsed by llhttp (through ``httptools``, the parser of Node.js, aiohttp
 and uvicorn) when it is installed, else by h11 (see `Response parsing`_). What this module
@@ -26,10 +26,10 @@ adds is the pool and what a pool must guarantee:
    (connect, write, each read), URLs parsed once, header bytes built once per distinct header
    set, no scan over the pool's connections.
 
-Timeouts follow httpx's meaning: ``connect`` covers TCP connect and TLS handshake, ``write``
-each ``send_all``, ``read`` the time without a byte from the server, ``pool`` the wait for a
-slot. Not done here (use httpx2 for them): proxies, HTTP/2, streaming bodies, redirects,
-cookies, compression.
+Timeouts are the library's :class:`~trio_rollouts.inference.Timeout`, with httpx's meaning:
+``connect`` covers TCP connect and TLS handshake, ``write`` each ``send_all``, ``read`` the
+time without a byte from the server, ``pool`` the wait for a slot. Not done here (use
+httpx2 for them): proxies, HTTP/2, streaming bodies, redirects, cookies, compression.
 
 Response parsing
 ----------------
@@ -63,6 +63,8 @@ import attrs
 import h11
 import trio
 
+from ._config import Timeout, timeout_advice
+
 try:
     import httptools  # type: ignore[import-not-found, unused-ignore]
 except ImportError:  # pragma: no cover - exercised where httptools is not installed
@@ -74,7 +76,6 @@ __all__ = [
     "ConnectError",
     "ConnectTimeout",
     "ConnectionPool",
-    "HTTPTimeouts",
     "LeanHTTPError",
     "LeanHeaders",
     "LeanResponse",
@@ -122,48 +123,22 @@ class LeanTimeout(LeanHTTPError):
 
 
 class ConnectTimeout(LeanTimeout):
-    """TCP connect plus TLS handshake took longer than ``HTTPTimeouts.connect``."""
+    """TCP connect plus TLS handshake took longer than ``Timeout.connect``."""
 
 
 class ReadTimeout(LeanTimeout):
-    """The server sent nothing for ``HTTPTimeouts.read`` seconds while a response was due."""
+    """The server sent nothing for ``Timeout.read`` seconds while a response was due."""
 
 
 class WriteTimeout(LeanTimeout):
-    """Sending the request took longer than ``HTTPTimeouts.write``."""
+    """Sending the request took longer than ``Timeout.write``."""
 
 
 class PoolTimeout(LeanTimeout):
-    """No connection slot became free within ``HTTPTimeouts.pool``."""
+    """No connection slot became free within ``Timeout.pool``."""
 
 
 # --------------------------------------------------------------------------- configuration
-
-
-def _check_timeout(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None and not (value >= 0):  # also refuses NaN
-        msg = (
-            f"HTTPTimeouts.{attribute.name}={value!r} is invalid: use a number of seconds "
-            "(>= 0), or None for no limit"
-        )
-        raise ValueError(msg)
-
-
-@attrs.frozen(kw_only=True)
-class HTTPTimeouts:
-    """Time limits in seconds for the phases of a request; ``None`` means no limit.
-
-    Attributes:
-        connect: TCP connect plus TLS handshake of a new connection.
-        read: the longest time without receiving a byte while a response is due.
-        write: one ``send_all`` of the request.
-        pool: waiting for a connection slot when ``max_connections`` are in use.
-    """
-
-    connect: float | None = attrs.field(validator=_check_timeout)
-    read: float | None = attrs.field(validator=_check_timeout)
-    write: float | None = attrs.field(validator=_check_timeout)
-    pool: float | None = attrs.field(validator=_check_timeout)
 
 
 @attrs.frozen(kw_only=True)
@@ -478,6 +453,8 @@ class ConnectionPool:
         keepalive_expiry: seconds an idle connection may be kept; an older one is closed
             instead of reused.
         timeouts: the limits for connect, write, read and waiting for a slot.
+        max_keepalive_connections: idle connections kept for reuse (by default
+            ``max_connections``); a connection released beyond it is closed.
         ssl_context: the TLS configuration for ``https`` URLs; by default
             :func:`ssl.create_default_context` (system CAs, hostname checking).
         user_agent: the ``User-Agent`` header sent unless the request sets its own.
@@ -490,7 +467,8 @@ class ConnectionPool:
         *,
         max_connections: int,
         keepalive_expiry: float,
-        timeouts: HTTPTimeouts,
+        timeouts: Timeout,
+        max_keepalive_connections: int | None = None,
         ssl_context: ssl.SSLContext | None = None,
         user_agent: str = "trio-rollouts",
         _open_stream: OpenStream | None = None,
@@ -506,6 +484,9 @@ class ConnectionPool:
             )
             raise ValueError(msg)
         self._max = max_connections
+        self._max_idle = (
+            max_connections if max_keepalive_connections is None else max_keepalive_connections
+        )
         self._keepalive_expiry = keepalive_expiry
         self._timeouts = timeouts
         self._ssl_context = ssl_context
@@ -565,7 +546,7 @@ class ConnectionPool:
         url: str,
         *,
         headers: Sequence[tuple[str, str]] = (),
-        content: bytes = b"",
+        content: bytes | Callable[[], bytes] = b"",
     ) -> LeanResponse:
         """Send one request and return the whole response.
 
@@ -574,7 +555,11 @@ class ConnectionPool:
             url: an absolute ``http://`` or ``https://`` URL (IPv6 hosts in brackets).
             headers: extra request headers; ``Host``, ``User-Agent`` (unless given) and
                 ``Content-Length`` are added.
-            content: the request body.
+            content: the request body, or a function that returns it: called once the
+                request holds a connection slot, right before it is sent, so that a body
+                built from shared state sees that state as it is then (not as it was
+                when the request started waiting for a slot). Its exceptions propagate,
+                and the slot is released.
 
         Raises:
             ValueError: the URL or a header is invalid (nothing was sent).
@@ -603,6 +588,8 @@ class ConnectionPool:
         conn = None if isinstance(got, _Fresh) else got
         timeouts = self._timeouts
         try:
+            if not isinstance(content, bytes):
+                content = content()
             with trio.CancelScope() as scope:
                 while True:
                     reused = conn is not None
@@ -819,23 +806,13 @@ class ConnectionPool:
     def _timeout_error(self, conn: _Connection | None, origin: _Origin) -> LeanTimeout:
         timeouts = self._timeouts
         if conn is None:
-            msg = (
-                f"connecting to {origin} took longer than the connect timeout of "
-                f"{timeouts.connect} s; raise HTTPTimeouts.connect if the server is slow "
-                "to accept"
-            )
-            return ConnectTimeout(msg)
+            advice = timeout_advice("connect", timeouts.connect)
+            return ConnectTimeout(f"connecting to {origin} took longer than {advice}")
         if conn.phase == _WRITE:
-            msg = (
-                f"sending the request to {origin} took longer than the write timeout of "
-                f"{timeouts.write} s; raise HTTPTimeouts.write"
-            )
-            return WriteTimeout(msg)
-        msg = (
-            f"{origin} sent nothing for the read timeout of {timeouts.read} s; raise "
-            "HTTPTimeouts.read if the server takes longer to answer"
-        )
-        return ReadTimeout(msg)
+            advice = timeout_advice("write", timeouts.write)
+            return WriteTimeout(f"sending the request to {origin} took longer than {advice}")
+        advice = timeout_advice("read", timeouts.read)
+        return ReadTimeout(f"{origin} sent nothing for {advice}")
 
     def _head(self, method: str, target: _Target, headers: Sequence[tuple[str, str]]) -> _Head:
         key = (target, method, headers if type(headers) is tuple else tuple(headers))
@@ -1027,10 +1004,10 @@ class ConnectionPool:
         # ended by the timeout instead, there is none and nothing to give back.
         got = self._grants.pop(task, None)
         if got is None:
+            advice = timeout_advice("pool", self._timeouts.pool)
             msg = (
-                f"no connection slot for {origin} became free within the pool timeout of "
-                f"{self._timeouts.pool} s (max_connections={self._max}); raise "
-                "HTTPTimeouts.pool or max_connections, or send fewer requests at once"
+                f"no connection slot for {origin} (max_connections={self._max}) became free "
+                f"within {advice}"
             )
             raise PoolTimeout(msg)
         return got
@@ -1039,8 +1016,11 @@ class ConnectionPool:
         """Give back a slot, with its connection to keep idle (or ``None``: it was closed)."""
         self._active -= 1
         if conn is not None:
-            conn.origin.idle.append(conn)
-            self._idle_count += 1
+            if self._idle_count < self._max_idle:
+                conn.origin.idle.append(conn)
+                self._idle_count += 1
+            else:
+                self._discard(conn)
         if self._lot:
             self._dispatch()
 

@@ -13,7 +13,11 @@ does a 400/422 body name?
 The memory is per interface and per replica, written from whichever task or thread
 learns something first. It needs no lock: a replica's set only grows (``set.add``), and
 "log once" is ``dict.setdefault``, both atomic in CPython; readers only test membership.
-So concurrent requests that all hit the refusal each send again, and one logs.
+A request's body is filtered by :meth:`Capabilities.without_dropped` when the transport
+is about to write it (once it holds a connection), so requests that were waiting for a
+connection when the first refusal arrived never carry the field: a burst of first
+requests costs at most one refusal per connection. Concurrent requests already on the
+wire each hit the refusal and send again, and one logs.
 """
 
 from __future__ import annotations

@@ -1,71 +1,51 @@
 """The HTTP backend: any OpenAI-compatible server (vLLM, SGLang, Megatron, OpenAI,
-``transformers serve``, llama.cpp, Ollama) over httpx2.
+``transformers serve``, llama.cpp, Ollama).
 
-:class:`OpenAIInference` is configuration only; everything mutable (the httpx2
-``AsyncClient``, in-flight counts, the round-robin cursor) lives in a per-Trio-run state
-held in a :class:`trio.lowlevel.RunVar`. The client is made lazily by the first request
-of a run and closed when that run ends, by a system task that Trio cancels after the
-main task returns; so a pipeline never manages it, a sync :meth:`generate` (its own
-``trio.run``) leaves nothing behind, and no client outlives the loop it is bound to.
-``async with interface:`` / :meth:`OpenAIInference.aclose` close it earlier. Each request
-goes to the least-loaded replica and is retried, through stamina, on
-:data:`TRANSIENT_ERRORS` only. httpx2 (not httpx 0.x with httpcore 1.x, which loses
-pool slots when Trio cancels a queued request) keeps cancellation from leaking
-connections: a cancelled request releases its slot before ``Cancelled`` propagates.
-What each replica accepts of the extension fields (token ids, log-probabilities) is
-negotiated per replica and remembered on the interface itself, across runs
-(:mod:`._negotiation`).
+:class:`OpenAIInference` is configuration only; everything mutable (the run's
+:class:`~._transport.Transport`, in-flight counts, the round-robin cursor) lives in a
+per-Trio-run state held in a :class:`trio.lowlevel.RunVar`. The transport is made lazily
+by the first request of a run and closed when that run ends, by a system task that Trio
+cancels after the main task returns; so a pipeline never manages it, a sync
+:meth:`generate` (its own ``trio.run``) leaves nothing behind, and no connection outlives
+the loop it is bound to. ``async with interface:`` / :meth:`OpenAIInference.aclose` close
+it earlier.
+
+What this module does is the request's life: pick the least-loaded replica, build the
+body from what negotiation learned (:mod:`._negotiation`) when the transport is about to
+write it, send it again without a refused field, retry transient failures
+(:mod:`._retry`), hold calls during a weight update and continue the ones a pause
+aborted (:mod:`._control`). The transports (:mod:`._transport`) own the HTTP and its error
+map, :mod:`._parse` reads responses, :mod:`._config` holds :class:`Timeout` and
+:class:`Limits`.
 """
 
 from __future__ import annotations
 
-import email.utils
 import functools
-import html
-import json
 import logging
-import math
 import os
-import re
-import ssl
-import time
-import urllib.request
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import attrs
 import httpx2
-import stamina
 import trio
 
-from .._checks import int_at_least as _int_at_least
+from .._checks import int_at_least, is_real
 from .._messages import ChatMessage
+from ._config import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, KEEPALIVE_EXPIRY, Limits, Timeout
 from ._control import (
     ABORT,
     SERVER_KINDS,
+    VERSION_SEGMENT,
+    ControlEndpoints,
     PauseState,
     ServerKind,
     continuation_body,
     control_root,
     merge_continuation,
-    missing_endpoint_hint,
-    pause_call,
-    resume_calls,
 )
-from ._errors import (
-    TRANSIENT_ERRORS,
-    AuthenticationError,
-    BadRequestError,
-    ConflictError,
-    InferenceConnectionError,
-    InferenceError,
-    InferenceTimeoutError,
-    MalformedResponseError,
-    NotSupportedError,
-    RateLimitError,
-    ServerError,
-    UnsupportedFieldError,
-)
+from ._errors import InferenceError, UnsupportedFieldError
 from ._interface import (
     InferenceInterface,
     InferenceRequest,
@@ -74,51 +54,25 @@ from ._interface import (
     ReturnsRaw,
     render_plain_chat,
 )
-from ._lean_http import (
-    ConnectionPool,
-    HTTPTimeouts,
-    LeanHTTPError,
-    LeanTimeout,
-    NetworkError,
-    RemoteProtocolError,
-)
 from ._negotiation import NEGOTIABLE_FIELDS, Capabilities, named_fields, says_unknown
-from ._pausable import Pausable, WeightUpdateError, WeightUpdateMode
+from ._parse import Response, error_for_status, parse_completion, redact, server_message
+from ._pausable import Pausable, WeightUpdateMode
+from ._retry import RetryBackoff, call_with_retries
+from ._transport import Transport, TransportKind, encode_json, open_transport, proxied
 
 __all__ = [
-    "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_RETRIES",
-    "DEFAULT_TIMEOUT",
     "OpenAIInference",
     "OpenAIStatistics",
-    "RetryBackoff",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Per attempt: 5 s to connect, 600 s to read or write (a long generation is normal),
-#: and no pool timeout: a request waits for a free connection as long as its caller's
-#: cancel scope allows, because the pipeline, not the pool, bounds concurrency.
-DEFAULT_TIMEOUT = httpx2.Timeout(600.0, connect=5.0, pool=None)
-
-#: Connections to all replicas together. Keep it below ``ulimit -n``.
-DEFAULT_MAX_CONNECTIONS = 256
-
 #: Retries after the first attempt, on :data:`TRANSIENT_ERRORS` only.
 DEFAULT_MAX_RETRIES = 3
 
-#: Idle keep-alive connections are closed after this many seconds.
-_KEEPALIVE_EXPIRY = 5.0
-
-#: How long closing the client at the end of a run may take before it is abandoned.
+#: How long closing the transport at the end of a run may take before it is abandoned.
 _CLOSE_GRACE = 5.0
-
-#: The request body's JSON, compact (one encoder: ``json.dumps`` with options makes one
-#: per call).
-_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-
-#: Server messages are cut to this many characters in errors.
-_MAX_SERVER_MESSAGE = 500
 
 _ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 
@@ -128,43 +82,8 @@ _CLIENT_MODES: frozenset[WeightUpdateMode] = frozenset({"drain", "restart"})
 _SERVER_MODES: frozenset[WeightUpdateMode] = frozenset({"drain", "restart", "keep", "abort"})
 _SERVER_ONLY_MODES = _SERVER_MODES - _CLIENT_MODES
 
-#: How long resume() may take, all replicas together, before it gives up (shielded).
-_RESUME_TIMEOUT = 60.0
-
-#: The control paths that end a server-side pause.
-_RESUME_PATHS = frozenset({"/resume", "/continue_generation"})
-
-#: Keys of a returned chat message kept in ``ChatMessage.extra`` (others, such as the
-#: token-id copies Megatron's server puts in the message, are dropped).
-_MESSAGE_EXTRA_KEYS = ("tool_calls", "function_call", "refusal", "reasoning", "reasoning_content")
-
 
 # --------------------------------------------------------------------------- configuration
-
-
-def _check_non_negative(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        msg = f"{attribute.name} must be a number of seconds >= 0, got {value!r}"
-        raise TypeError(msg)
-    if not math.isfinite(value) or value < 0:
-        msg = f"{attribute.name} must be a finite number of seconds >= 0, got {value!r}"
-        raise ValueError(msg)
-
-
-@attrs.frozen(kw_only=True)
-class RetryBackoff:
-    """How long to wait between attempts.
-
-    Before retry ``n`` (1-based) the wait is ``min(maximum, initial * 2 ** (n - 1) +
-    uniform(0, jitter))`` seconds (stamina's exponential backoff with jitter). When the
-    failed response carries ``Retry-After`` (or ``retry-after-ms``), that wait is used
-    instead, capped at ``max_retry_after``.
-    """
-
-    initial: float = attrs.field(default=0.5, validator=_check_non_negative)
-    maximum: float = attrs.field(default=8.0, validator=_check_non_negative)
-    jitter: float = attrs.field(default=1.0, validator=_check_non_negative)
-    max_retry_after: float = attrs.field(default=60.0, validator=_check_non_negative)
 
 
 @attrs.frozen(kw_only=True)
@@ -227,13 +146,6 @@ def _repr_urls(urls: tuple[str, ...]) -> str:
     return repr(tuple(_display_url(url) for url in urls))
 
 
-@functools.cache
-def _default_ssl_context() -> ssl.SSLContext:
-    # Loading the CA bundle takes tens of milliseconds; a client is made per Trio run
-    # (per sync generate() call), and SSLContext objects can be shared.
-    return httpx2.create_ssl_context()
-
-
 def _api_key_from_environment() -> str | None:
     return os.environ.get("OPENAI_API_KEY") or None
 
@@ -257,13 +169,38 @@ def _check_model(instance: object, attribute: attrs.Attribute[Any], value: objec
         raise ValueError(msg)
 
 
-def _to_timeout(value: httpx2.Timeout | float | None) -> httpx2.Timeout:
-    if isinstance(value, httpx2.Timeout):
+def _to_timeout(value: Timeout | httpx2.Timeout | float | None) -> Timeout:
+    if isinstance(value, Timeout):
         return value
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return httpx2.Timeout(value)
-    msg = f"timeout must be an httpx2.Timeout, a number of seconds or None, got {value!r}"
+    if isinstance(value, httpx2.Timeout):  # accepted as before the library had its own
+        return Timeout(connect=value.connect, read=value.read, write=value.write, pool=value.pool)
+    if value is None or is_real(value):
+        return Timeout.every_phase(value)
+    msg = (
+        "timeout must be a trio_rollouts.inference.Timeout, a number of seconds (every "
+        f"phase) or None (no limit), got {value!r}"
+    )
     raise TypeError(msg)
+
+
+def _check_limits(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Limits):
+        msg = f"limits must be a trio_rollouts.inference.Limits or None, got {value!r}"
+        raise TypeError(msg)
+    if value.max_connections != instance.max_connections:
+        msg = (
+            f"max_connections={instance.max_connections!r} and limits.max_connections="
+            f"{value.max_connections!r} disagree: give one of them"
+        )
+        raise ValueError(msg)
+
+
+def _default_max_connections(self: Any) -> int:
+    # (Runs before the validators: a given limits that is not a Limits is refused there.)
+    given = self._given_limits
+    return given.max_connections if isinstance(given, Limits) else DEFAULT_MAX_CONNECTIONS
 
 
 def _check_extra_body(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -281,39 +218,6 @@ def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object)
         raise TypeError(msg)
 
 
-class _Headers(Protocol):
-    def get(self, key: str, /) -> str | None: ...
-
-
-class _Response(Protocol):
-    """What this module reads of a response, from httpx2 or from the lean pool."""
-
-    @property
-    def status_code(self) -> int: ...
-    @property
-    def reason_phrase(self) -> str: ...
-    @property
-    def headers(self) -> _Headers: ...
-    @property
-    def text(self) -> str: ...
-    def json(self) -> Any: ...
-
-
-def _proxied(urls: Sequence[str]) -> bool:
-    """Whether the environment routes any of ``urls`` through a proxy (``HTTP_PROXY``,
-    ``HTTPS_PROXY``, ``ALL_PROXY``, less ``NO_PROXY``), as httpx2 would honour."""
-    proxies = urllib.request.getproxies()
-    if not proxies:
-        return False
-    for url in urls:
-        parsed = httpx2.URL(url)
-        if (parsed.scheme in proxies or "all" in proxies) and not urllib.request.proxy_bypass(
-            parsed.host
-        ):
-            return True
-    return False
-
-
 # --------------------------------------------------------------------------- per-run state
 
 
@@ -321,7 +225,7 @@ def _proxied(urls: Sequence[str]) -> bool:
 class _RunState:
     """What one Trio run holds for one interface."""
 
-    client: httpx2.AsyncClient | ConnectionPool
+    transport: Transport
     in_flight: list[int]
     attempts: list[int]
     pause: PauseState
@@ -332,7 +236,7 @@ class _RunState:
 
 
 async def _close_at_run_exit(state: _RunState) -> None:
-    """System task: keeps the client open until aclose() or the end of the Trio run."""
+    """System task: keeps the transport open until aclose() or the end of the Trio run."""
     try:
         with state.keeper_scope:
             await trio.sleep_forever()
@@ -341,10 +245,10 @@ async def _close_at_run_exit(state: _RunState) -> None:
         # sockets close anyway, and the grace bound keeps a stuck close from hanging exit.
         with trio.move_on_after(_CLOSE_GRACE, shield=True):
             try:
-                await state.client.aclose()
+                await state.transport.aclose()
             except Exception:
                 # An exception escaping a system task would crash the whole run.
-                logger.warning("closing the inference HTTP client failed", exc_info=True)
+                logger.warning("closing the inference HTTP transport failed", exc_info=True)
         state.closed.set()
 
 
@@ -372,9 +276,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     - ``endpoint``: ``"chat"`` (``/chat/completions``) or ``"completions"``
       (``/completions``, with the prompt rendered by ``render_prompt``; no tools).
     - ``max_connections``: connections to all replicas together (:data:`DEFAULT_MAX_CONNECTIONS`);
-      requests beyond it queue. ``timeout``: an ``httpx2.Timeout`` or seconds, per attempt
-      (:data:`DEFAULT_TIMEOUT`). Bound a whole request, retries included, with a Trio
-      cancel scope around the call.
+      requests beyond it queue. Or ``limits``: a :class:`Limits` (connections, idle ones
+      kept, their expiry); :attr:`limits` is what is used. ``timeout``: a :class:`Timeout`
+      per attempt (:data:`DEFAULT_TIMEOUT`), or seconds for every phase (``None``: no
+      limit); an ``httpx2.Timeout`` is accepted too. Both mean the same on either
+      transport. Bound a whole request, retries included, with a Trio cancel scope around
+      the call.
     - ``max_retries``: retries after the first attempt on :data:`TRANSIENT_ERRORS` only
       (:data:`DEFAULT_MAX_RETRIES`), waiting as ``backoff`` says.
     - ``return_token_ids`` / ``return_logprobs``: whether to ask for token ids (vLLM's
@@ -427,9 +334,16 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     endpoint: Literal["chat", "completions"] = attrs.field(
         default="chat", validator=attrs.validators.in_(("chat", "completions"))
     )
-    max_connections: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS, validator=_int_at_least(1))
-    timeout: httpx2.Timeout = attrs.field(default=DEFAULT_TIMEOUT, converter=_to_timeout)
-    max_retries: int = attrs.field(default=DEFAULT_MAX_RETRIES, validator=_int_at_least(0))
+    # ``limits=`` as given (None: derived from max_connections); read it as ``limits``.
+    _given_limits: Limits | None = attrs.field(
+        default=None, alias="limits", validator=_check_limits, repr=False
+    )
+    max_connections: int = attrs.field(
+        default=attrs.Factory(_default_max_connections, takes_self=True),
+        validator=int_at_least(1),
+    )
+    timeout: Timeout = attrs.field(default=DEFAULT_TIMEOUT, converter=_to_timeout)
+    max_retries: int = attrs.field(default=DEFAULT_MAX_RETRIES, validator=int_at_least(0))
     backoff: RetryBackoff = attrs.field(
         factory=RetryBackoff, validator=attrs.validators.instance_of(RetryBackoff)
     )
@@ -445,26 +359,6 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     server: ServerKind | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(SERVER_KINDS))
     )
-    # Each replica's root, where the control endpoints are (base_url less "/v1").
-    _control_roots: tuple[str, ...] = attrs.field(
-        init=False,
-        repr=False,
-        default=attrs.Factory(
-            lambda self: tuple(control_root(url) for url in self.base_url), takes_self=True
-        ),
-    )
-    # The policy epoch: mutable, and kept across runs (resume() in one, generate() in
-    # the next); the client-side hold lives with each run.
-    # The replicas that may be paused server-side (a pause was sent and no resume has
-    # succeeded since): a server's pause outlives the Trio run that made it, so this is
-    # kept across runs, and a resume in any later run resumes them.
-    _server_paused: set[int] = attrs.field(init=False, repr=False, factory=set)
-    _epoch: _EpochBox = attrs.field(init=False, repr=False, factory=lambda: _EpochBox())
-    _pause_var: trio.lowlevel.RunVar[PauseState | None] = attrs.field(
-        init=False,
-        repr=False,
-        factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference.pause"),
-    )
     # The replicas as shown in errors (no credentials), parsed once, not per attempt.
     _shown_urls: tuple[str, ...] = attrs.field(
         init=False,
@@ -473,23 +367,28 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             lambda self: tuple(_display_url(url) for url in self.base_url), takes_self=True
         ),
     )
+    # The control endpoints of the replicas (None without a server to pause).
+    _control: ControlEndpoints | None = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(lambda self: self._control_endpoints(), takes_self=True),
+    )
+    # The replicas that may be paused server-side (a pause was sent and no resume has
+    # succeeded since): a server's pause outlives the Trio run that made it, so this is
+    # kept across runs, and a resume in any later run resumes them.
+    _server_paused: set[int] = attrs.field(init=False, repr=False, factory=set)
+    # The policy epoch: mutable, and kept across runs (resume() in one, generate() in
+    # the next); the client-side hold lives with each run.
+    _epoch: _EpochBox = attrs.field(init=False, repr=False, factory=lambda: _EpochBox())
+    _pause_var: trio.lowlevel.RunVar[PauseState | None] = attrs.field(
+        init=False,
+        repr=False,
+        factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference.pause"),
+    )
     _run_state: trio.lowlevel.RunVar[_RunState | None] = attrs.field(
         init=False,
         repr=False,
         factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference"),
-    )
-    # The lean transport's request headers, built once.
-    _lean_headers: tuple[tuple[str, str], ...] = attrs.field(
-        init=False,
-        repr=False,
-        default=attrs.Factory(
-            lambda self: (
-                ("accept", "application/json"),
-                ("content-type", "application/json"),
-                *(() if self.api_key is None else (("authorization", f"Bearer {self.api_key}"),)),
-            ),
-            takes_self=True,
-        ),
     )
     # What negotiation learned per replica: mutable, and deliberately not per run.
     _capabilities: Capabilities = attrs.field(
@@ -500,15 +399,26 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         ),
     )
 
-    @property
-    def limits(self) -> httpx2.Limits:
-        """The ``httpx2.Limits`` the client uses (``max_connections`` in total, as many
-        kept alive, idle ones closed after 5 s)."""
-        return httpx2.Limits(
-            max_connections=self.max_connections,
-            max_keepalive_connections=self.max_connections,
-            keepalive_expiry=_KEEPALIVE_EXPIRY,
+    def _control_endpoints(self) -> ControlEndpoints | None:
+        if self.server is None:
+            return None
+        roots = tuple(control_root(url) for url in self.base_url)
+        return ControlEndpoints(
+            server=self.server,
+            roots=roots,
+            shown_roots=tuple(_display_url(root) for root in roots),
+            api_key=self.api_key,
+            max_retries=self.max_retries,
+            backoff=self.backoff,
         )
+
+    @property
+    def limits(self) -> Limits:
+        """The connection :class:`Limits`: ``limits`` as given, else ``max_connections``
+        in total, as many kept alive, idle ones closed after 5 s."""
+        if self._given_limits is not None:
+            return self._given_limits
+        return Limits(max_connections=self.max_connections, keepalive_expiry=KEEPALIVE_EXPIRY)
 
     # ----------------------------------------------------------------------- lifetime
 
@@ -517,45 +427,26 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         """Whether requests go through the lean HTTP/1.1 pool (``transport="lean"``, or
         ``"auto"`` with no proxy configured for the replicas) rather than httpx2."""
         if self.transport == "auto":
-            return not _proxied(self.base_url)
+            return not proxied(self.base_url)
         return self.transport == "lean"
 
-    def _make_client(self) -> httpx2.AsyncClient | ConnectionPool:
-        if self.uses_lean_transport:
-            return ConnectionPool(
-                max_connections=self.max_connections,
-                keepalive_expiry=_KEEPALIVE_EXPIRY,
-                timeouts=HTTPTimeouts(
-                    connect=self.timeout.connect,
-                    read=self.timeout.read,
-                    write=self.timeout.write,
-                    pool=self.timeout.pool,
-                ),
-                ssl_context=_default_ssl_context(),
-            )
-        headers = {"Accept": "application/json"}
-        if self.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return httpx2.AsyncClient(
-            timeout=self.timeout,
-            limits=self.limits,
-            headers=headers,
-            verify=_default_ssl_context(),
-        )
+    def _make_transport(self) -> Transport:
+        kind: TransportKind = "lean" if self.uses_lean_transport else "httpx2"
+        return open_transport(kind, timeout=self.timeout, limits=self.limits, api_key=self.api_key)
 
     def _state(self) -> _RunState:
         state = self._run_state.get(None)
         if state is None:
             n = len(self.base_url)
             state = _RunState(
-                client=self._make_client(),
+                transport=self._make_transport(),
                 in_flight=[0] * n,
                 attempts=[0] * n,
                 pause=self._pause_state(),
             )
             self._run_state.set(state)
             trio.lowlevel.spawn_system_task(
-                _close_at_run_exit, state, name=f"{type(self).__name__} client keeper"
+                _close_at_run_exit, state, name=f"{type(self).__name__} transport keeper"
             )
         return state
 
@@ -664,42 +555,14 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         if pause.hold is None:
             pause.hold = trio.Event()
         pause.mode = mode
-        server = self.server
-        if mode not in _SERVER_ONLY_MODES or server is None:
+        control = self._control
+        if mode not in _SERVER_ONLY_MODES or control is None:
             await trio.lowlevel.checkpoint()
             return
         pause.server_pauses += 1
-        path, body = pause_call(server, mode)
-        failures: dict[int, InferenceError] = {}
-
-        server_paused = self._server_paused
-
-        async def pause_one(index: int) -> None:
-            paused_before = index in server_paused
-            server_paused.add(index)
-            try:
-                await self._control(state, index, path, body)
-            except InferenceError as exc:
-                failures[index] = exc
-                if exc.status is not None and 400 <= exc.status < 500 and not paused_before:
-                    server_paused.discard(index)  # refused: this pause did not pause it
-
-        async with trio.open_nursery() as nursery:
-            for index in range(len(self.base_url)):
-                nursery.start_soon(pause_one, index)
-        if not failures:
+        error = await control.pause(state.transport, mode, self._server_paused)
+        if error is None:
             return
-        index = min(failures)
-        cause = failures[index]
-        msg = (
-            f"pausing {self.server} for mode {mode!r} failed at "
-            f"{self._shown_urls[index]} ({len(failures)} of {len(self.base_url)} "
-            f"replicas failed): {cause}"
-        )
-        error = WeightUpdateError(msg)
-        error.__cause__ = cause
-        for other, exc in sorted(failures.items())[1:]:
-            error.add_note(f"{self._shown_urls[other]} failed too: {exc}")
         try:
             await self.resume(self._epoch.value)
         except InferenceError as exc:
@@ -726,120 +589,23 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             msg = f"epoch must be an int, got {epoch!r}"
             raise TypeError(msg)
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            msg = f"epoch must be an int, got {epoch!r}"
+            raise TypeError(msg)
         state = self._state()
         pause = state.pause
-        server = self.server
+        control = self._control
         paused = pause.hold is not None
-        failures: dict[int, InferenceError] = {}
+        error = None
         try:
-            if server is not None and (paused or self._server_paused):
+            if control is not None and (paused or self._server_paused):
                 new_version = epoch if paused and epoch != self._epoch.value else None
-                with trio.CancelScope(shield=True) as scope:
-                    scope.deadline = trio.current_time() + _RESUME_TIMEOUT
-                    async with trio.open_nursery() as nursery:
-                        for index in range(len(self.base_url)):
-                            calls = resume_calls(
-                                server,
-                                paused=index in self._server_paused,
-                                new_version=new_version,
-                            )
-                            if calls:
-                                nursery.start_soon(self._resume_one, state, index, calls, failures)
-                if scope.cancelled_caught:
-                    for index in self._server_paused - failures.keys():
-                        shown = self._shown_urls[index]
-                        failures[index] = InferenceTimeoutError(
-                            f"resuming {shown} did not finish within {_RESUME_TIMEOUT} s",
-                            url=shown,
-                        )
+                error = await control.resume(state.transport, self._server_paused, new_version)
         finally:
             self._epoch.value = epoch
             pause.release()
-        if failures:
-            index = min(failures)
-            error = failures[index]
-            error.add_note(f"{self.server} replica {self._shown_urls[index]} may still be paused")
-            for other, exc in sorted(failures.items())[1:]:
-                error.add_note(f"{self._shown_urls[other]} failed to resume too: {exc}")
+        if error is not None:
             raise error
-
-    async def _resume_one(
-        self,
-        state: _RunState,
-        index: int,
-        calls: list[tuple[str, dict[str, Any] | None]],
-        failures: dict[int, InferenceError],
-    ) -> None:
-        first: InferenceError | None = None
-        for path, body in calls:  # every call is made, even after one fails
-            try:
-                await self._control(state, index, path, body, retries=self.max_retries)
-            except InferenceError as exc:
-                first = first or exc
-            else:
-                if path in _RESUME_PATHS:
-                    self._server_paused.discard(index)
-        if first is not None:
-            failures[index] = first
-
-    async def _control(
-        self,
-        state: _RunState,
-        index: int,
-        path: str,
-        body: dict[str, Any] | None,
-        *,
-        retries: int = 0,
-    ) -> None:
-        """POST a control request to replica ``index``'s root through this run's client
-        (not counted in the statistics); transient failures are retried ``retries``
-        times, after the backoff's waits."""
-        url = self._control_roots[index] + path
-        shown = _display_url(self._control_roots[index]) + path
-        for attempt in range(retries + 1):
-            try:
-                response = await self._send(state.client, url, shown, body)
-                if 200 <= response.status_code < 300:
-                    return
-                message, _ = _server_message(response)
-                server_message = self._redact(message)[:_MAX_SERVER_MESSAGE] or None
-                status = response.status_code
-                msg = f"POST {shown} returned {status} {response.reason_phrase}"
-                if server_message and server_message != response.reason_phrase:
-                    msg += f": {server_message}"
-                if status in (404, 405) and self.server is not None:
-                    msg += missing_endpoint_hint(self.server, path)
-                cls = _status_class(status)
-                raise cls(
-                    msg,
-                    url=shown,
-                    status=status,
-                    server_message=server_message,
-                    retry_after=_retry_after(response.headers),
-                )
-            except TRANSIENT_ERRORS:
-                if attempt == retries:
-                    raise
-            wait = min(self.backoff.maximum, self.backoff.initial * 2**attempt)
-            await trio.sleep(wait)
-
-    async def _send(
-        self,
-        client: httpx2.AsyncClient | ConnectionPool,
-        url: str,
-        shown: str,
-        body: dict[str, Any] | None,
-    ) -> _Response:
-        content = b"" if body is None else _encode_json(body).encode()
-        try:
-            if isinstance(client, ConnectionPool):
-                return await client.request(
-                    "POST", url, headers=self._lean_headers, content=content
-                )
-            headers = {"content-type": "application/json"}
-            return await client.post(url, content=content, headers=headers)
-        except (LeanHTTPError, httpx2.HTTPError) as exc:
-            raise self._transport_error(exc, shown) from exc
 
     # ----------------------------------------------------------------------- requests
 
@@ -870,7 +636,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         pause = state.pause
         if pause.hold is not None:
             await pause.wait_resumed()
-            state = self._state()  # aclose() during the pause closed the old client
+            state = self._state()  # aclose() during the pause closed the old transport
         epoch = self._epoch.value
         server_pauses = pause.server_pauses
         response = await self._attempt_with_retries(state, request, body, path)
@@ -914,62 +680,17 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     async def _attempt_with_retries(
         self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
     ) -> InferenceResponse:
-        """One request and its retries. The first attempt runs outside stamina: a request
-        that succeeds at once (nearly all of them) costs no retry machinery; only a
-        transient failure enters it (see ``_retried``)."""
-        try:
-            return await self._attempt(state, request, body, path)
-        except TRANSIENT_ERRORS as exc:
-            if self.max_retries == 0:
-                raise
-            first = exc
-        # Outside the except block, so that a later failure is not chained to the first.
-        return await self._retried(first, state, request, body, path)
+        """One request and its retries (counted in the run's statistics)."""
 
-    async def _retried(
-        self,
-        first: InferenceError,
-        state: _RunState,
-        request: InferenceRequest,
-        body: dict[str, Any],
-        path: str,
-    ) -> InferenceResponse:
-        """Attempts 2, 3, ... after a first attempt that failed transiently with ``first``,
-        replayed as stamina's first attempt: stamina decides everything from there as if it
-        had made it (whether to retry at all under ``stamina.set_active`` and
-        ``set_testing``, the backoff and its jitter, ``Retry-After``, its hooks)."""
-        attempt_number = 0
-        try:
-            async for attempt in stamina.retry_context(
-                on=self._retry_wait,
-                attempts=self.max_retries + 1,
-                timeout=None,
-                wait_initial=self.backoff.initial,
-                wait_max=self.backoff.maximum,
-                wait_jitter=self.backoff.jitter,
-            ):
-                with attempt:
-                    attempt_number = attempt.num
-                    if attempt_number == 1:
-                        raise first
-                    state.retries += 1
-                    return await self._attempt(state, request, body, path)
-        except InferenceError as exc:
-            if attempt_number > 1:
-                exc.add_note(
-                    f"gave up after {attempt_number} attempts (max_retries={self.max_retries})"
-                )
-            raise
-        msg = "stamina.retry_context ended without an outcome"  # pragma: no cover
-        raise RuntimeError(msg)  # pragma: no cover
+        def count_retry() -> None:
+            state.retries += 1
 
-    def _retry_wait(self, exc: Exception) -> bool | float:
-        """stamina's hook: retry transient errors, after ``Retry-After`` when given."""
-        if not isinstance(exc, TRANSIENT_ERRORS):
-            return False
-        if exc.retry_after is not None:
-            return min(exc.retry_after, self.backoff.max_retry_after)
-        return True
+        return await call_with_retries(
+            functools.partial(self._attempt, state, request, body, path),
+            max_retries=self.max_retries,
+            backoff=self.backoff,
+            on_retry=count_retry,
+        )
 
     def _request_body(self, request: InferenceRequest) -> dict[str, Any]:
         flags: dict[str, Any] = {}
@@ -1012,17 +733,36 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     async def _attempt(
         self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
     ) -> InferenceResponse:
+        """One attempt: ``body`` to one replica, sent again at once without any negotiable
+        field that the replica refuses (not a retry)."""
         index = self._pick_replica(state)
+        capabilities = self._capabilities
+        url = self.base_url[index] + path
+        shown = self._shown_urls[index] + path
+        sent = body
+
+        def content() -> bytes:
+            # Built when the transport is about to write it (it holds a connection), so a
+            # field that this replica refused while the request waited is left out.
+            nonlocal sent
+            sent = capabilities.without_dropped(index, body)
+            return encode_json(sent)
+
         while True:
-            sent = self._capabilities.without_dropped(index, body)
-            response = await self._post(state, index, path, sent)
+            state.in_flight[index] += 1
+            state.attempts[index] += 1
+            try:
+                response = await state.transport.post(url, shown, content)
+            finally:
+                state.in_flight[index] -= 1
             if 200 <= response.status_code < 300:
-                return self._parse(request, sent, response, self._shown_urls[index] + path)
-            refused = self._refused_negotiable(response, sent)
+                return parse_completion(self.endpoint, request, sent, response, shown, self.api_key)
+            said = server_message(response)
+            refused = self._refused_negotiable(response, sent, said)
             if not refused:
-                raise self._status_error(request, response, index, path, sent)
+                raise self._status_error(request, response, index, path, sent, said)
             # Each pass drops at least one field that was sent, so this loop ends.
-            self._capabilities.drop(index, refused, self._shown_urls[index])
+            capabilities.drop(index, refused, self._shown_urls[index])
 
     def _options(self) -> dict[str, bool | None]:
         """Each negotiable field's option; a field given in ``extra_body`` is explicit."""
@@ -1031,7 +771,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             field: True if field in self.extra_body else option for field, option in options.items()
         }
 
-    def _refused_negotiable(self, response: _Response, sent: dict[str, Any]) -> set[str]:
+    def _refused_negotiable(
+        self, response: Response, sent: dict[str, Any], said: tuple[str, object]
+    ) -> set[str]:
         """The negotiable fields that ``sent`` carried and this 400/422 names."""
         if response.status_code not in (400, 422):
             return set()
@@ -1040,81 +782,47 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         } & sent.keys()
         if not candidates:
             return set()
-        message, data = _server_message(response)
+        message, data = said
         return named_fields(data, message, candidates)
-
-    async def _post(
-        self, state: _RunState, index: int, path: str, body: dict[str, Any]
-    ) -> _Response:
-        url = self.base_url[index] + path
-        shown = self._shown_urls[index] + path
-        state.in_flight[index] += 1
-        state.attempts[index] += 1
-        client = state.client
-        try:
-            if isinstance(client, ConnectionPool):
-                content = _encode_json(body).encode()
-                return await client.request(
-                    "POST", url, headers=self._lean_headers, content=content
-                )
-            return await client.post(url, json=body)
-        except (LeanHTTPError, httpx2.HTTPError) as exc:
-            raise self._transport_error(exc, shown) from exc
-        finally:
-            state.in_flight[index] -= 1
-
-    def _transport_error(self, exc: Exception, shown: str) -> InferenceError:
-        """The :class:`InferenceError` for a request to ``shown`` that got no response."""
-        if isinstance(exc, (LeanTimeout, httpx2.TimeoutException)):
-            msg = f"POST {shown} timed out ({self._redact(_describe(exc))})"
-            return InferenceTimeoutError(msg, url=shown)
-        if isinstance(
-            exc,
-            (NetworkError, RemoteProtocolError, httpx2.NetworkError, httpx2.RemoteProtocolError),
-        ):
-            msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
-            return InferenceConnectionError(msg, url=shown)
-        msg = f"POST {shown} failed: {self._redact(_describe(exc))}"
-        return InferenceError(msg, url=shown)
-
-    def _redact(self, text: str) -> str:
-        return _redact(text, self.api_key)
 
     def _status_error(
         self,
         request: InferenceRequest,
-        response: _Response,
+        response: Response,
         index: int,
         path: str,
         sent: dict[str, Any],
+        said: tuple[str, object],
     ) -> InferenceError:
         shown = self._shown_urls[index] + path
         status = response.status_code
-        message, data = _server_message(response)
-        server_message = self._redact(message)[:_MAX_SERVER_MESSAGE] or None
-        retry_after = _retry_after(response.headers)
-        msg = f"POST {shown} returned {status} {response.reason_phrase}"
-        if server_message and server_message != response.reason_phrase:
-            msg += f": {server_message}"
+        message, data = said
         if status in (400, 422):
             named = self._named_explicit(request, message, data, sent, index)
-            if named:
-                msg += "; " + self._redact("; ".join(hint for hint, _ in named.values()))
             refused = tuple(sorted(field for field, (_, is_refused) in named.items() if is_refused))
+            hint = ""
+            if named:
+                hint = "; " + redact("; ".join(hint for hint, _ in named.values()), self.api_key)
             if refused:
-                return UnsupportedFieldError(
-                    msg, fields=refused, url=shown, status=status, server_message=server_message
+                return error_for_status(
+                    response,
+                    shown,
+                    self.api_key,
+                    hint,
+                    said=said,
+                    cls=UnsupportedFieldError,
+                    fields=refused,
                 )
-        cls = _status_class(status)
+            return error_for_status(response, shown, self.api_key, hint, said=said)
         if status in (401, 403):
-            msg += " (check api_key or OPENAI_API_KEY)"
+            hint = " (check api_key or OPENAI_API_KEY)"
         elif status in (404, 405):
-            msg += self._api_root_hint(index, path, message)
+            hint = self._api_root_hint(index, path, message)
         elif status < 400:
-            msg += " (an unexpected status: is base_url the API root, such as '.../v1'?)"
-        return cls(
-            msg, url=shown, status=status, server_message=server_message, retry_after=retry_after
-        )
+            hint = " (an unexpected status: is base_url the API root, such as '.../v1'?)"
+        else:
+            hint = ""
+        return error_for_status(response, shown, self.api_key, hint, said=said)
 
     def _named_explicit(
         self,
@@ -1176,7 +884,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         """For a 404 or 405: a base_url without its API prefix, or not an API at all?"""
         root = self._shown_urls[index]
         last_segment = httpx2.URL(self.base_url[index]).path.rstrip("/").rsplit("/", 1)[-1]
-        if not _VERSION_SEGMENT.fullmatch(last_segment):
+        if not VERSION_SEGMENT.fullmatch(last_segment):
             return (
                 f" (is base_url the API root, such as '{root}/v1'? {root!r} does not end "
                 "in a version segment)"
@@ -1188,355 +896,10 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             f"{path} (endpoint={self.endpoint!r})?)"
         )
 
-    # ----------------------------------------------------------------------- parsing
-
-    def _parse(
-        self,
-        request: InferenceRequest,
-        body: dict[str, Any],
-        response: _Response,
-        shown: str,
-    ) -> InferenceResponse:
-        try:
-            data = response.json()
-        except ValueError as exc:
-            if _is_html(response):
-                msg = (
-                    f"POST {shown} returned {response.status_code} with "
-                    f"{_html_summary(response.text)}, not JSON: is base_url the API root of an "
-                    "OpenAI-compatible server, such as 'http://127.0.0.1:8000/v1'?"
-                )
-                raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
-            start = self._redact(response.text[:200])
-            msg = f"POST {shown} returned {response.status_code} but its body is not JSON ({exc})"
-            msg += f"; it starts {start!r}"
-            raise MalformedResponseError(msg, url=shown, status=response.status_code) from exc
-        try:
-            return self._parse_json(request, body, data)
-        except _BadField as exc:
-            msg = f"POST {shown} returned {response.status_code} but {exc}"
-            raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
-
-    def _parse_json(
-        self, request: InferenceRequest, body: dict[str, Any], data: object
-    ) -> InferenceResponse:
-        if not isinstance(data, dict):
-            msg = f"its JSON is a {type(data).__name__}, not an object"
-            raise _BadField(msg)
-        choices = data.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            msg = "$.choices is not a non-empty list of objects"
-            raise _BadField(msg)
-        choice: dict[str, Any] = choices[0]
-
-        if self.endpoint == "chat":
-            message = choice.get("message")
-            if not isinstance(message, dict):
-                msg = "$.choices[0].message is not an object"
-                raise _BadField(msg)
-            # A reply that only calls tools has null content.
-            content = _optional_str(message, "content", "$.choices[0].message") or ""
-            role = _optional_str(message, "role", "$.choices[0].message") or "assistant"
-            extra = {key: message[key] for key in _MESSAGE_EXTRA_KEYS if message.get(key)}
-            reply = ChatMessage(role=role, content=content, extra=extra)
-            prompt_text = render_plain_chat(request.prompt)
-            # vLLM puts the prompt's ids at the top level, Megatron on the choice.
-            prompt_ids = _int_list(choice, "prompt_token_ids")
-            if prompt_ids is None:
-                prompt_ids = _int_list(data, "prompt_token_ids", "$")
-            logprobs = _chat_logprobs(choice)
-        else:
-            text = _optional_str(choice, "text")
-            if text is None:
-                msg = "$.choices[0].text is missing"
-                raise _BadField(msg)
-            reply = ChatMessage(role="assistant", content=text)
-            prompt_text = body["prompt"]
-            prompt_ids = _int_list(choice, "prompt_token_ids")
-            logprobs = _completion_logprobs(choice)
-
-        generated_ids = _int_list(choice, "token_ids")  # vLLM
-        if generated_ids is None:
-            generated_ids = _int_list(choice, "generation_token_ids")  # Megatron
-        megatron_logprobs = _float_list(choice, "generation_log_probs")
-        if megatron_logprobs is not None:
-            logprobs = megatron_logprobs
-        token_ids = prompt_length = None
-        if prompt_ids is not None and generated_ids is not None:
-            token_ids = prompt_ids + generated_ids
-            prompt_length = len(prompt_ids)
-        raw_text = _optional_str(choice, "raw_text")  # Megatron: what the model saw
-        usage = data.get("usage")
-        if usage is not None and not isinstance(usage, dict):
-            msg = f"$.usage is a {type(usage).__name__}, not an object"
-            raise _BadField(msg)
-        return InferenceResponse(
-            response=reply,
-            raw_text=raw_text if raw_text is not None else prompt_text + reply.content,
-            token_ids=token_ids,
-            prompt_length=prompt_length,
-            logprobs=logprobs,
-            policy_epoch=_epochs(choice, "policy_epoch"),
-            kv_cache_epoch=_epochs(choice, "kv_cache_epoch"),
-            num_evictions=_optional_int(choice, "num_evictions") or 0,
-            finish_reason=_optional_str(choice, "finish_reason"),
-            usage=usage,
-        )
-
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _status_class(status: int) -> type[InferenceError]:
-    """The error class for an HTTP error status."""
-    if status in (401, 403):
-        return AuthenticationError
-    if status == 408:
-        return InferenceTimeoutError
-    if status == 409:
-        return ConflictError
-    if status == 429:
-        return RateLimitError
-    if 400 <= status < 500:
-        return BadRequestError
-    if status in (501, 505):
-        return NotSupportedError
-    if status >= 500:
-        return ServerError
-    return InferenceError
 
 
 def _message_json(message: ChatMessage) -> dict[str, Any]:
     # Extra keys (tool_calls, tool_call_id, name) pass through; role and content win.
     return {**message.extra, "role": message.role, "content": message.content}
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _server_message(response: _Response) -> tuple[str, object]:
-    """What a server said about an error, on one line, and its parsed JSON (or ``None``).
-
-    OpenAI's ``error.message``, vLLM's ``message``, FastAPI's ``detail`` (a validation
-    list as ``body.field: msg; ...``), a summary of an HTML page (never its markup), or
-    else the body itself.
-    """
-    try:
-        text = response.text
-    except (UnicodeDecodeError, LookupError):
-        return "", None
-    if _is_html(response):
-        return _html_summary(text), None
-    try:
-        data = response.json()
-    except ValueError:
-        return _one_line(text), None
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return _one_line(error["message"]), data
-        detail = data.get("detail")
-        for value in (error, data.get("message"), detail):
-            if isinstance(value, str):
-                return _one_line(value), data
-        if isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail):
-            items = [
-                f"{'.'.join(map(str, d.get('loc') or ['?']))}: {d.get('msg', '?')}" for d in detail
-            ]
-            return _one_line("; ".join(items)), data
-    return _one_line(text), data
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-#: The last path segment of an API root: "v1", "v2", "v1beta".
-_VERSION_SEGMENT = re.compile(r"v\d+[a-z0-9]*", re.IGNORECASE)
-
-_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title", re.IGNORECASE | re.DOTALL)
-
-
-def _is_html(response: _Response) -> bool:
-    if "html" in (response.headers.get("content-type") or "").lower():
-        return True
-    try:
-        return response.text.lstrip().startswith("<")
-    except (UnicodeDecodeError, LookupError):
-        return False
-
-
-def _html_summary(text: str) -> str:
-    """``an HTML page titled '...'``: what a web page is, without its markup."""
-    match = _HTML_TITLE.search(text)
-    title = _one_line(html.unescape(match.group(1))) if match else ""
-    if not title:
-        return "an HTML page (no title)"
-    return f"an HTML page titled {title[:80]!r}"
-
-
-#: Where a credential can appear in what a server echoes: an Authorization (or API-key)
-#: header's value, a bearer token, a URL's query parameter or its password.
-_SECRET_PATTERNS = (
-    (
-        re.compile(
-            r"\b((?:proxy-)?authorization|x-api-key|api-key)([\"']?\s*[:=]\s*[\"']?)"
-            r"(?:[A-Za-z]+\s+)?[^\s\"',;}]+",
-            re.IGNORECASE,
-        ),
-        r"\1\2***",
-    ),
-    (re.compile(r"\b(bearer\s+)[^\s\"',;}]+", re.IGNORECASE), r"\1***"),
-    (
-        re.compile(
-            r"([?&;](?:api[_-]?key|key|token|access[_-]?token|auth)=)[^&\s\"'#]+",
-            re.IGNORECASE,
-        ),
-        r"\1***",
-    ),
-    (re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s/]+@", re.IGNORECASE), r"\1***@"),
-)
-
-
-@functools.lru_cache(maxsize=8)
-def _standalone(api_key: str) -> re.Pattern[str]:
-    # The key as a whole token: not part of a longer word, so a short key never turns
-    # "return_token_ids" into "return_to***en_ids".
-    return re.compile(rf"(?<![A-Za-z0-9_-]){re.escape(api_key)}(?![A-Za-z0-9_-])")
-
-
-def _redact(text: str, api_key: str | None) -> str:
-    """``text`` without credentials: header values, bearer tokens, URL query keys and
-    passwords, and ``api_key`` wherever it stands as a token of its own."""
-    for pattern, replacement in _SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
-    if api_key:
-        text = _standalone(api_key).sub("***", text)
-    return text
-
-
-def _retry_after(headers: _Headers) -> float | None:
-    """Seconds from ``retry-after-ms`` (OpenAI) or ``Retry-After`` (seconds or a date)."""
-    milliseconds = headers.get("retry-after-ms")
-    if milliseconds is not None:
-        try:
-            seconds = float(milliseconds) / 1000
-        except ValueError:
-            seconds = math.nan
-        if math.isfinite(seconds):
-            return max(0.0, seconds)
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        seconds = when.timestamp() - time.time()
-    if not math.isfinite(seconds):
-        return None
-    return max(0.0, seconds)
-
-
-class _BadField(Exception):
-    """A field of a 2xx response body has the wrong shape (the message names its path)."""
-
-
-_CHOICE = "$.choices[0]"
-
-
-def _optional_str(obj: dict[str, Any], key: str, where: str = _CHOICE) -> str | None:
-    value = obj.get(key)
-    if value is not None and not isinstance(value, str):
-        msg = f"{where}.{key} is a {type(value).__name__}, not a string"
-        raise _BadField(msg)
-    return value
-
-
-def _optional_int(obj: dict[str, Any], key: str, where: str = _CHOICE) -> int | None:
-    value = obj.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        msg = f"{where}.{key} is {value!r:.40}, not an int"
-        raise _BadField(msg)
-    return value
-
-
-def _int_list(obj: dict[str, Any], key: str, where: str = _CHOICE) -> list[int] | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(
-        isinstance(item, int) and not isinstance(item, bool) for item in value
-    ):
-        msg = f"{where}.{key} is not a list of ints"
-        raise _BadField(msg)
-    return list(value)
-
-
-def _numbers(value: object, path: str) -> list[float]:
-    if not isinstance(value, list) or not all(
-        isinstance(item, (int, float)) and not isinstance(item, bool) for item in value
-    ):
-        msg = f"{path} is not a list of numbers, one per generated token"
-        raise _BadField(msg)
-    return [float(item) for item in value]
-
-
-def _float_list(obj: dict[str, Any], key: str, where: str = _CHOICE) -> list[float] | None:
-    value = obj.get(key)
-    return None if value is None else _numbers(value, f"{where}.{key}")
-
-
-def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
-    """``logprobs.content[i].logprob`` of a chat choice."""
-    logprobs = choice.get("logprobs")
-    if logprobs is None:
-        return None
-    if not isinstance(logprobs, dict):
-        msg = f"{_CHOICE}.logprobs is not an object"
-        raise _BadField(msg)
-    content = logprobs.get("content")
-    if content is None:
-        return None
-    path = f"{_CHOICE}.logprobs.content"
-    if not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
-        msg = f"{path} is not a list of objects"
-        raise _BadField(msg)
-    return _numbers([item.get("logprob") for item in content], f"{path}[*].logprob")
-
-
-def _completion_logprobs(choice: dict[str, Any]) -> list[float] | None:
-    """``logprobs.token_logprobs`` of a completions choice."""
-    logprobs = choice.get("logprobs")
-    if logprobs is None:
-        return None
-    if not isinstance(logprobs, dict):
-        msg = f"{_CHOICE}.logprobs is not an object"
-        raise _BadField(msg)
-    return _float_list(logprobs, "token_logprobs", f"{_CHOICE}.logprobs")
-
-
-def _epochs(obj: dict[str, Any], key: str) -> list[tuple[int, int]]:
-    """Megatron's ``(start_token_index, epoch)`` pairs; a bare int ``e`` means
-    ``[(0, e)]``; absent means ``[]``."""
-    value = obj.get(key)
-    if value is None:
-        return []
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [(0, value)]
-    pairs: list[tuple[int, int]] = []
-    for item in value if isinstance(value, list) else [None]:
-        if (
-            not isinstance(item, (list, tuple))
-            or len(item) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
-        ):
-            msg = f"{_CHOICE}.{key} is not a list of [start_token_index, epoch] pairs"
-            raise _BadField(msg)
-        pairs.append((item[0], item[1]))
-    return pairs

@@ -1,0 +1,108 @@
+"""Retrying HTTP calls: one mechanism, stamina, for generation requests and control calls.
+
+:func:`call_with_retries` makes the first attempt outside stamina, so that a call that
+succeeds at once (nearly all of them) costs no retry machinery; only a transient failure
+(:data:`TRANSIENT_ERRORS`) enters ``stamina.retry_context``, replayed as its first attempt,
+so stamina decides everything from there as if it had made it: whether to retry at all
+(``stamina.set_active``, ``set_testing``), the backoff and its jitter, ``Retry-After``
+(capped at :attr:`RetryBackoff.max_retry_after`), its instrumentation hooks. Waits are
+``trio.sleep`` under Trio, so they are cancellable and follow a ``MockClock``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import attrs
+import stamina
+
+from .._checks import non_negative_seconds
+from ._errors import TRANSIENT_ERRORS, InferenceError
+
+__all__ = ["RetryBackoff", "call_with_retries"]
+
+T = TypeVar("T")
+
+
+@attrs.frozen(kw_only=True)
+class RetryBackoff:
+    """How long to wait between attempts.
+
+    Before retry ``n`` (1-based) the wait is ``min(maximum, initial * 2 ** (n - 1) +
+    uniform(0, jitter))`` seconds (stamina's exponential backoff with jitter). When the
+    failed response carries ``Retry-After`` (or ``retry-after-ms``), that wait is used
+    instead, capped at ``max_retry_after``.
+    """
+
+    initial: float = attrs.field(default=0.5, validator=non_negative_seconds)
+    maximum: float = attrs.field(default=8.0, validator=non_negative_seconds)
+    jitter: float = attrs.field(default=1.0, validator=non_negative_seconds)
+    max_retry_after: float = attrs.field(default=60.0, validator=non_negative_seconds)
+
+
+def _retry_wait(backoff: RetryBackoff, exc: Exception) -> bool | float:
+    """stamina's ``on`` hook: retry transient errors, after ``Retry-After`` when given."""
+    if not isinstance(exc, TRANSIENT_ERRORS):
+        return False
+    if exc.retry_after is not None:
+        return min(exc.retry_after, backoff.max_retry_after)
+    return True
+
+
+async def call_with_retries(
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    max_retries: int,
+    backoff: RetryBackoff,
+    on_retry: Callable[[], object] | None = None,
+) -> T:
+    """``await attempt()``, and again after a transient failure, at most ``max_retries``
+    more times, waiting as ``backoff`` says. ``on_retry`` is called before each retry.
+
+    Raises the last attempt's error; after more than one attempt, with a note counting
+    them. Cancellation: cancellable at any point, including during a wait.
+    """
+    try:
+        return await attempt()
+    except TRANSIENT_ERRORS as exc:
+        if max_retries == 0:
+            raise
+        first = exc
+    # Outside the except block, so that a later failure is not chained to the first.
+    return await _retried(first, attempt, max_retries, backoff, on_retry)
+
+
+async def _retried(
+    first: InferenceError,
+    attempt: Callable[[], Awaitable[T]],
+    max_retries: int,
+    backoff: RetryBackoff,
+    on_retry: Callable[[], object] | None,
+) -> T:
+    """Attempts 2, 3, ... after a first attempt that failed transiently with ``first``,
+    replayed as stamina's first attempt."""
+    attempt_number = 0
+    try:
+        async for trial in stamina.retry_context(
+            on=functools.partial(_retry_wait, backoff),
+            attempts=max_retries + 1,
+            timeout=None,
+            wait_initial=backoff.initial,
+            wait_max=backoff.maximum,
+            wait_jitter=backoff.jitter,
+        ):
+            with trial:
+                attempt_number = trial.num
+                if attempt_number == 1:
+                    raise first
+                if on_retry is not None:
+                    on_retry()
+                return await attempt()
+    except InferenceError as exc:
+        if attempt_number > 1:
+            exc.add_note(f"gave up after {attempt_number} attempts (max_retries={max_retries})")
+        raise
+    msg = "stamina.retry_context ended without an outcome"  # pragma: no cover
+    raise RuntimeError(msg)  # pragma: no cover

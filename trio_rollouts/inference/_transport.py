@@ -1,0 +1,251 @@
+"""The transport: how :class:`OpenAIInference` POSTs a JSON body and gets a whole response.
+
+One protocol, :class:`Transport`, and two implementations: :class:`LeanTransport` on the
+lean Trio-native HTTP/1.1 pool (``_lean_http``, the default), and :class:`HTTPXTransport`
+on httpx2 (used where a proxy is configured; it honours proxies). The client never asks
+which one it has. Both
+
+- take the library's :class:`Timeout` and :class:`Limits` and convert them;
+- build the body when the request is about to be written, once it holds a connection
+  slot (``content`` is a function), so a body built from shared state (what negotiation
+  learned) sees that state as it is then, not as it was when the request started waiting;
+- raise only :class:`InferenceError` subclasses for a request that got no response,
+  mapped in one place, :func:`transport_error`: a timeout is an
+  :class:`InferenceTimeoutError` naming the ``Timeout`` field that ran out, a failed or
+  broken connection an :class:`InferenceConnectionError`;
+- release a cancelled request's connection slot before ``trio.Cancelled`` propagates.
+
+A transport belongs to one Trio run (the client makes one per run and closes it at the
+run's end).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import ssl
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Literal, Protocol
+
+import httpx2
+import trio
+
+from ._config import Limits, Timeout, TimeoutPhase, timeout_advice
+from ._errors import InferenceConnectionError, InferenceError, InferenceTimeoutError
+from ._lean_http import (
+    ConnectionPool,
+    LeanHTTPError,
+    LeanTimeout,
+    NetworkError,
+    RemoteProtocolError,
+)
+from ._parse import Response, redact
+
+__all__ = [
+    "HTTPXTransport",
+    "LeanTransport",
+    "Transport",
+    "TransportKind",
+    "encode_json",
+    "open_transport",
+    "proxied",
+    "transport_error",
+]
+
+#: The transports :class:`OpenAIInference` can use (``"auto"`` picks one).
+TransportKind = Literal["lean", "httpx2"]
+
+_JSON: Final = "application/json"
+
+#: One compact encoder (``json.dumps`` with options makes one per call).
+_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def encode_json(body: dict[str, Any]) -> bytes:
+    """A request body as compact UTF-8 JSON."""
+    return _ENCODER.encode(body).encode()
+
+
+class Transport(Protocol):
+    """POST a JSON body, get the whole response; errors are :class:`InferenceError`."""
+
+    async def post(self, url: str, shown: str, content: Callable[[], bytes]) -> Response:
+        """POST to ``url`` (``shown``: the URL for messages, without credentials) the body
+        ``content()`` returns, called once the request holds a connection slot.
+
+        Raises :class:`InferenceTimeoutError`, :class:`InferenceConnectionError` or
+        :class:`InferenceError` when no response arrived; a response of any status is
+        returned. Cancellation: cancellable at any point; the slot is released first.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Close every connection. Requests in flight fail with
+        :class:`InferenceConnectionError`."""
+        ...
+
+
+def open_transport(
+    kind: TransportKind, *, timeout: Timeout, limits: Limits, api_key: str | None
+) -> Transport:
+    """A new transport of ``kind`` for the current Trio run."""
+    if kind == "lean":
+        return LeanTransport(timeout=timeout, limits=limits, api_key=api_key)
+    return HTTPXTransport(timeout=timeout, limits=limits, api_key=api_key)
+
+
+class LeanTransport:
+    """The lean HTTP/1.1 pool (``_lean_http``): the hot path."""
+
+    def __init__(self, *, timeout: Timeout, limits: Limits, api_key: str | None) -> None:
+        expiry = limits.keepalive_expiry
+        self.pool = ConnectionPool(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=float("inf") if expiry is None else expiry,
+            timeouts=timeout,
+            ssl_context=default_ssl_context(),
+        )
+        self._timeout = timeout
+        self._api_key = api_key
+        # The request headers, built once (the pool serializes each distinct set once).
+        self._headers: tuple[tuple[str, str], ...] = (
+            ("accept", _JSON),
+            ("content-type", _JSON),
+            *(() if api_key is None else (("authorization", f"Bearer {api_key}"),)),
+        )
+
+    async def post(self, url: str, shown: str, content: Callable[[], bytes]) -> Response:
+        try:
+            return await self.pool.request("POST", url, headers=self._headers, content=content)
+        except LeanHTTPError as exc:
+            raise transport_error(exc, shown, self._timeout, self._api_key) from exc
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+
+class HTTPXTransport:
+    """httpx2's ``AsyncClient``, for proxies. A slot is taken from a first-in first-out
+    semaphore of ``max_connections`` (bounded by ``Timeout.pool``) before the body is built
+    and handed to httpx2, whose pool has as many connections, so it never queues there."""
+
+    def __init__(self, *, timeout: Timeout, limits: Limits, api_key: str | None) -> None:
+        headers = {"Accept": _JSON, "Content-Type": _JSON}
+        if api_key is not None:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.client = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(
+                connect=timeout.connect, read=timeout.read, write=timeout.write, pool=timeout.pool
+            ),
+            limits=httpx2.Limits(
+                max_connections=limits.max_connections,
+                max_keepalive_connections=limits.max_keepalive_connections,
+                keepalive_expiry=limits.keepalive_expiry,
+            ),
+            headers=headers,
+            verify=default_ssl_context(),
+        )
+        self._slots = trio.Semaphore(limits.max_connections)
+        self._timeout = timeout
+        self._api_key = api_key
+
+    async def post(self, url: str, shown: str, content: Callable[[], bytes]) -> Response:
+        try:
+            await self._take_slot()
+            try:
+                return await self.client.post(url, content=content())
+            finally:
+                self._slots.release()
+        except httpx2.HTTPError as exc:
+            raise transport_error(exc, shown, self._timeout, self._api_key) from exc
+
+    async def _take_slot(self) -> None:
+        limit = self._timeout.pool
+        if limit is None:
+            await self._slots.acquire()
+            return
+        with trio.move_on_after(limit):
+            await self._slots.acquire()
+            return
+        raise httpx2.PoolTimeout("no connection slot became free")
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+# --------------------------------------------------------------------------- the error map
+
+_HTTPX_PHASES: Final[tuple[tuple[type[Exception], TimeoutPhase], ...]] = (
+    (httpx2.ConnectTimeout, "connect"),
+    (httpx2.WriteTimeout, "write"),
+    (httpx2.PoolTimeout, "pool"),
+    (httpx2.ReadTimeout, "read"),
+)
+
+
+def transport_error(
+    exc: Exception, shown: str, timeout: Timeout, api_key: str | None
+) -> InferenceError:
+    """The :class:`InferenceError` for a POST to ``shown`` that got no response, from
+    either transport's exception: the one map of transport errors.
+
+    ======================================================  ==============================
+    lean pool / httpx2                                      raised
+    ======================================================  ==============================
+    ``LeanTimeout`` / ``httpx2.TimeoutException``           :class:`InferenceTimeoutError`
+    ``NetworkError``, ``RemoteProtocolError`` (either)      :class:`InferenceConnectionError`
+    anything else                                           :class:`InferenceError`
+    ======================================================  ==============================
+    """
+    if isinstance(exc, LeanTimeout):
+        return InferenceTimeoutError(
+            f"POST {shown} timed out: {redact(str(exc), api_key)}", url=shown
+        )
+    if isinstance(exc, httpx2.TimeoutException):
+        phase: TimeoutPhase = next(
+            (phase for cls, phase in _HTTPX_PHASES if isinstance(exc, cls)), "read"
+        )
+        limit = getattr(timeout, phase)
+        msg = f"POST {shown} timed out ({_describe(exc)}): {phase} took longer than "
+        msg += timeout_advice(phase, limit)
+        return InferenceTimeoutError(msg, url=shown)
+    described = redact(_describe(exc), api_key)
+    if isinstance(
+        exc, (NetworkError, RemoteProtocolError, httpx2.NetworkError, httpx2.RemoteProtocolError)
+    ):
+        return InferenceConnectionError(f"POST {shown} failed: {described}", url=shown)
+    return InferenceError(f"POST {shown} failed: {described}", url=shown)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@functools.cache
+def default_ssl_context() -> ssl.SSLContext:
+    """The certificates of the environment (``SSL_CERT_FILE``, ``SSL_CERT_DIR``), as httpx
+    reads them, for both transports."""
+    # Loading the CA bundle takes tens of milliseconds; a transport is made per Trio run
+    # (per sync generate() call), and SSLContext objects can be shared.
+    return httpx2.create_ssl_context()
+
+
+def proxied(urls: Sequence[str]) -> bool:
+    """Whether the environment routes any of ``urls`` through a proxy (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``, less ``NO_PROXY``), as httpx2 would honour."""
+    proxies = urllib.request.getproxies()
+    if not proxies:
+        return False
+    for url in urls:
+        parsed = httpx2.URL(url)
+        if (parsed.scheme in proxies or "all" in proxies) and not urllib.request.proxy_bypass(
+            parsed.host
+        ):
+            return True
+    return False
