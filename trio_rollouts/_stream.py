@@ -449,3 +449,99 @@ class RolloutStream:
             stale=p.stale,
             mixed=p.mixed,
         )
+
+
+# --------------------------------------------------------------------------- bridge and actor
+#
+# What the sync bridge (``_blocking.py``) and the Ray rollout actor (``_ray/_actor.py``) need
+# of a stream beyond its public surface. Each says which thread may call it: "Trio thread"
+# means the thread running the stream's pipeline.
+
+
+def settle_on_handover(stream: RolloutStream) -> bool:
+    """For the sync bridge and the Ray actor. From now on a group's prompt draws are not
+    done when the stream hands it out: the caller settles them with
+    :func:`settle_handed` once the group has reached its consumer (draws never settled
+    are given back when the stream closes). Returns whether the agent draws prompts (if
+    not, there is nothing to settle). Trio thread, before the first group is taken."""
+    pipeline = stream._pipeline
+    pipeline.done_on_take = False
+    return pipeline.tracking
+
+
+def settle_handed(stream: RolloutStream, batch_id: int, index: int) -> None:
+    """For the sync bridge and the Ray actor. The group the stream handed out from slot
+    ``(batch_id, index)`` reached its consumer: its prompt draws are done (see
+    :func:`settle_on_handover`). Any thread; a slot unknown or settled twice is
+    ignored."""
+    stream._pipeline.settle_slot(batch_id, index)
+
+
+def put_back(stream: RolloutStream, groups: Sequence[RolloutGroup]) -> None:
+    """For the sync bridge and the Ray actor. Undo the takes of ``groups`` (taken from
+    this stream, in this order, and not handed on) and put them at the front of the
+    stream, in order: they are handed out again before anything else, and a weight update
+    checks them as it checks every group the stream holds. Only for a stream with
+    ``enforce_order`` (``RuntimeError`` otherwise). Trio thread."""
+    if not stream._enforce_order:
+        msg = "put_back() needs a stream with enforce_order"
+        raise RuntimeError(msg)
+    pipeline = stream._pipeline
+    for group in reversed(groups):
+        pipeline.untake(group)
+    stream._ready.extendleft(reversed(groups))
+
+
+def return_stale(stream: RolloutStream, groups: Sequence[RolloutGroup]) -> None:
+    """For the sync bridge and the Ray actor. Undo the takes of ``groups`` (taken from
+    this stream and found too old by the caller) and generate their slots again before
+    any other slot, booked as ``stale``; their prompt draws are given back.
+
+    With ``enforce_order``, the stream goes back to the first batch of ``groups``: what it
+    holds after them waits until their slots are filled again, so the order it hands out
+    stays gap-free. Every group the stream handed out after the first of ``groups`` must
+    be among them or have been given back with :func:`put_back` first. Trio thread."""
+    if not groups:
+        return
+    pipeline = stream._pipeline
+    for group in reversed(groups):
+        pipeline.untake(group)
+    if stream._enforce_order:
+        first = min(group.batch_id for group in groups)
+        # What the stream had released of the first batch: all of it once it moved past.
+        released = (
+            stream._released_of_next if first == stream._next_batch_id else pipeline.num_groups
+        )
+        held_back = list(stream._ready)
+        stream._ready.clear()
+        for group in held_back:
+            stream._waiting.setdefault(group.batch_id, []).append(group)
+        back = [*held_back, *groups]
+        stream._released_of_next = released - sum(1 for g in back if g.batch_id == first)
+        stream._next_batch_id = first
+    for group in reversed(groups):  # each goes first: the first ends up first
+        pipeline.regenerate_stale(group)
+
+
+def staleness_bound(stream: RolloutStream) -> int | None:
+    """For the sync bridge and the Ray actor: the request's ``max_staleness``. Any
+    thread."""
+    return stream._pipeline.max_staleness
+
+
+def is_closed(stream: RolloutStream) -> bool:
+    """For the sync bridge and the Ray actor: whether the stream's ``async with`` is
+    exiting or has exited. Any thread."""
+    return stream._pipeline.closed
+
+
+def enforces_order(stream: RolloutStream) -> bool:
+    """For the sync bridge and the Ray actor: the request's ``enforce_order``. Any
+    thread."""
+    return stream._enforce_order
+
+
+def is_too_old(group: RolloutGroup, epoch: int, bound: int | None) -> bool:
+    """For the sync bridge and the Ray merge: whether ``group`` may not be handed to the
+    consumer under ``epoch`` with ``max_staleness`` ``bound``. Any thread."""
+    return bound is not None and epoch - group.start_epoch > bound
