@@ -7,16 +7,13 @@ groups already in the merge too old; each goes back to its actor's slot (ledger:
 ``stale``), the ledger stays balanced, order stays gap-free, and each prompt is taken
 once (a stale group's draw is given back, not settled).
 
-One local Ray cluster (2 CPUs) serves the module, as in ``test_ray.py``. Skipped when Ray
-is not installed.
+One local Ray cluster (2 CPUs) serves the module (``test_ray.py``'s fixture). Skipped when
+Ray is not installed.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,6 +21,9 @@ import pytest
 import trio
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+# The module's local cluster, as test_ray.py starts it (its workers import tests/).
+from test_ray import ray_cluster  # noqa: E402, F401
 
 import trio_rollouts as tr  # noqa: E402
 from trio_rollouts import Problem, PromptSource  # noqa: E402
@@ -35,26 +35,6 @@ WAIT = 30.0
 NUM_ACTORS = 2
 #: Enough problems that no shard starts a second epoch in a test.
 NUM_PROBLEMS = 40_000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster() -> Iterator[None]:
-    # As in test_ray.py: the cluster's workers import this module from tests/.
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parent), *([saved] if saved else [])]
-    )
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @attrs.define
@@ -107,8 +87,26 @@ def done_in(state: dict[str, Any]) -> int:
     return sum(shard["position"] - len(shard["pending"]) for shard in state["shards"])
 
 
-def pending_ids(state: dict[str, Any]) -> set[str]:
-    return {pid for shard in state["shards"] for _, pid in shard["pending"]}
+def assert_within_the_bound_and_each_prompt_once(
+    handed: list[tuple[int, int]],
+    bound: int,
+    taken: list[tr.RolloutGroup],
+    enforce_order: bool,
+    stats: tr.RolloutStreamStatistics,
+    state: dict[str, Any],
+) -> None:
+    """No group was handed out too old (``handed``: the epoch when taken, and the group's
+    start epoch); the ledger adds up; with ``enforce_order`` no slot was skipped; each
+    problem was taken once, and a prompt is done exactly when its group was taken."""
+    assert [(epoch, start) for epoch, start in handed if epoch - start > bound] == []
+    assert stats.unaccounted == 0
+    if enforce_order:
+        assert_slots_in_order(taken, 0)
+    problem_ids = [str(g[0].problem_id) for g in taken]
+    assert [pid for pid, n in Counter(problem_ids).items() if n > 1] == []
+    assert done_in(state) == len(taken)
+    pending = {pid for shard in state["shards"] for _, pid in shard["pending"]}
+    assert not pending & set(problem_ids)
 
 
 async def prefetched(stream: Any) -> None:
@@ -157,17 +155,10 @@ async def test_groups_waiting_in_the_merge_are_never_handed_out_beyond_the_bound
         stats = await stream.fetch_statistics()
         state = await stream.prompts_state_dict()
 
-    too_old = [(epoch, start) for epoch, start in handed if epoch - start > max_staleness]
-    assert too_old == []
+    assert_within_the_bound_and_each_prompt_once(
+        handed, max_staleness, taken, enforce_order, stats, state
+    )
     assert stats.stale >= 2 * NUM_ACTORS  # every prefetched group, each burst
-    assert stats.unaccounted == 0
-    if enforce_order:
-        assert_slots_in_order(taken, 0)
-    # Prompts, exactly once: each problem taken once; done exactly when taken.
-    problem_ids = [str(g[0].problem_id) for g in taken]
-    assert [pid for pid, n in Counter(problem_ids).items() if n > 1] == []
-    assert done_in(state) == len(taken)
-    assert not pending_ids(state) & set(problem_ids)
 
 
 @pytest.mark.parametrize("enforce_order", [False, True])
@@ -196,11 +187,5 @@ def test_groups_a_timed_out_take_kept_are_never_handed_out_beyond_the_bound(
         stats = stream.fetch_statistics(timeout=WAIT)
         state = stream.prompts_state_dict()
 
-    assert [(e, s) for e, s in handed if e - s > 0] == []
+    assert_within_the_bound_and_each_prompt_once(handed, 0, taken, enforce_order, stats, state)
     assert stats.stale > 0
-    assert stats.unaccounted == 0
-    if enforce_order:
-        assert_slots_in_order(taken, 0)
-    problem_ids = [str(g[0].problem_id) for g in taken]
-    assert [pid for pid, n in Counter(problem_ids).items() if n > 1] == []
-    assert done_in(state) == len(taken)
