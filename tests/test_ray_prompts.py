@@ -1,7 +1,7 @@
 """Prompts on Ray: each actor owns a shard of the run's PromptSource, and the merged
 state restores all of them, so a run killed and restarted from its checkpoint takes every
 prompt of every epoch exactly once (DESIGN.md, "Resumable runs"; invariant 6 of
-``trio_rollouts._ray``).
+``trio_rollouts._ray._merge``).
 
 One local Ray cluster (2 CPUs) serves the module, as in ``test_ray.py``; the agents live
 in this module and the cluster's workers import it. Skipped when Ray is not installed.

@@ -40,6 +40,7 @@ __all__ = [
     "GroupedRolloutGenerator",
     "RolloutGenerator",
     "TokenizedRolloutGenerator",
+    "draws_prompts",
 ]
 
 
@@ -199,6 +200,12 @@ class GroupedRolloutGenerator(Agent):
         hooks = SlotHooks(
             generate=self._slot_generator(request),
             env_of_slot=self._slot_environment(request),
-            draws_prompts=self._draws_prompts(),
+            draws_prompts=draws_prompts(self),
         )
         return open_grouped_rollouts(self, request, hooks)
+
+
+def draws_prompts(agent: GroupedRolloutGenerator) -> bool:
+    """Whether ``agent``'s calls draw from prompt sources (its own, or a sub-agent's):
+    what the pipeline records, and what Ray must shard across actors."""
+    return agent._draws_prompts()

@@ -1,33 +1,46 @@
 """The sync bridge: a grouped pipeline driven from synchronous code (PyTorch-style trainers).
 
 :func:`blocking_grouped_rollouts` runs Trio in a background thread for the duration of a
-``with`` block. The pipeline lives in that thread; every call of the
-:class:`BlockingRolloutStream` is one round trip into it through
-``trio.from_thread``. An exception from the pipeline ends the Trio thread and is raised
-in the caller's thread at its next call, and at the exit of the ``with`` at the latest,
-as itself: its traceback, ``__cause__`` and ``__context__`` are the ones it had in the
-Trio thread, never chained to the closed stream through which the news arrived.
-Leaving the block cancels the pipeline and joins the thread.
+``with`` block (a :class:`~trio_rollouts._thread_runner.TrioThread`). The pipeline lives in
+that thread; every call of the :class:`BlockingRolloutStream` is one round trip into it.
+An exception from the pipeline ends the Trio thread and is raised in the caller's thread
+at its next call, and at the exit of the ``with`` at the latest, as itself: its traceback,
+``__cause__`` and ``__context__`` are the ones it had in the Trio thread, never chained to
+the closed stream through which the news arrived. Leaving the block cancels the pipeline
+and joins the thread.
 
 ``stream.weight_update(...)`` is the async stream's weight update as a plain ``with``: a
 task of the Trio thread enters the async context manager and holds it open while the
-body runs in the caller's thread (:class:`_HeldUpdate`).
+body runs in the caller's thread (a :class:`~trio_rollouts._thread_runner.HeldContext`).
+
+The bridge drives any stream with the :class:`BridgedStream` surface that a
+:class:`StreamSource` opens: the local pipeline's (here), or the Ray merge
+(``_ray/_open.py``, through :func:`drive`, :func:`call_in_trio` and
+:func:`current_stream`).
+
+Prompts and kept groups. A prompt is done when the caller gets its group, not when the
+Trio thread takes it from the stream (:func:`~trio_rollouts._stream.settle_on_handover`).
+``take()`` takes groups as they arrive (taking is what frees generation capacity, so a take
+of more groups than the pipeline may hold must take as it goes); when it times out, the
+groups it took are kept and handed out first by the next call. A weight update can make a
+kept group too old for ``max_staleness``; the stream's own check saw it when it was fresh,
+so the bridge has the source check the kept groups again as the update's body returns
+(the only moment the epoch moves): a stale one is given back to its stream and generated
+again in its slot, exactly as the stream regenerates a group it finds too old.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import math
-import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import trio
 
 from ._agents import GroupedRolloutGenerator
-from ._concurrency import flatten_exception_groups
+from ._checks import check_seconds
 from ._ledger import RolloutStreamStatistics
 from ._models import GroupedRolloutRequest, RolloutGroup
 from ._stream import (
@@ -41,25 +54,24 @@ from ._stream import (
     settle_on_handover,
     staleness_bound,
 )
+from ._thread_runner import HeldContext, TrioThread
 from ._weight_update import WeightUpdate
 
 if TYPE_CHECKING:
     from .inference import InferenceInterface, WeightUpdateMode
 
-__all__ = ["BlockingRolloutStream", "blocking_grouped_rollouts"]
+__all__ = [
+    "BlockingContext",
+    "BlockingRolloutStream",
+    "BridgedStream",
+    "StreamSource",
+    "blocking_grouped_rollouts",
+    "call_in_trio",
+    "current_stream",
+    "drive",
+]
 
 T = TypeVar("T")
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        msg = f"timeout must be a number of seconds >= 0 or None, got {timeout!r}"
-        raise TypeError(msg)
-    if math.isnan(timeout) or timeout < 0:
-        msg = f"timeout must be >= 0 seconds or None, got {timeout!r}"
-        raise ValueError(msg)
 
 
 @contextlib.contextmanager
@@ -73,122 +85,93 @@ def _deadline_for_waiting(timeout: float | None) -> Iterator[trio.CancelScope]:
         yield scope
 
 
-# --------------------------------------------------------------------------- weight updates
+# --------------------------------------------------------------------------- what the bridge drives
 
 
-class _BodyFailed(Exception):
-    """Raised in the Trio thread into a held weight update whose body, running in another
-    thread, raised: the update then resumes generation under the old epoch. Caught where
-    it is raised; never seen outside this module."""
+class BridgedStream(Protocol):
+    """The surface of a stream that the bridge drives in its Trio thread:
+    :class:`~trio_rollouts.RolloutStream`, or the Ray merge."""
 
+    async def receive(self) -> RolloutGroup: ...
 
-class _HeldUpdate:
-    """``stream.weight_update(...)`` held open by a task of a Trio thread while its body
-    runs in another thread (the sync bridge's caller, or a Ray rollout actor's caller).
+    def try_next(self) -> RolloutGroup | None: ...
 
-    In the Trio thread: :meth:`hold` is the task (start it with :func:`_hold_in`),
-    :meth:`request_exit` and :meth:`finish` end it. In any thread, once :attr:`finished`
-    is set: :attr:`ended` and the errors say how it went.
+    def drain(self, n: int) -> list[RolloutGroup]: ...
 
-    The task ends on every route: when the body's thread asks (:meth:`finish`), when it
-    gives up (:meth:`request_exit` from ``run_sync_soon``, also while the update is still
-    entering), and when the nursery it runs in is cancelled (the stream closes, or its
-    pipeline fails). On all but a returned body, the update resumes generation under the
-    old epoch, as the async context manager does when its body raises or is cancelled.
-    """
+    def statistics(self) -> RolloutStreamStatistics: ...
 
-    def __init__(
+    @property
+    def policy_epoch(self) -> int: ...
+
+    def weight_update(
         self,
-        open_update: Callable[[], contextlib.AbstractAsyncContextManager[WeightUpdate]],
-        before_exit: Callable[[WeightUpdate], None] | None = None,
-    ) -> None:
-        self._open_update = open_update
-        self._before_exit = before_exit
-        self._scope = trio.CancelScope()
-        self._entered = trio.Event()
-        self._exit = trio.Event()
-        self._done = trio.Event()
-        self._body_failed = False
-        self._leaving_normally = False
-        #: Set by request_exit before the update began: it is given up, not entered.
-        self.abandoned = False
-        #: The update, once the body may begin.
-        self.update: WeightUpdate | None = None
-        #: Why the update could not begin (it never did); raise it as itself.
-        self.enter_error: Exception | None = None
-        #: What the exit of a returned body raised (a backend that failed to resume).
-        self.exit_error: Exception | None = None
-        #: Notes the update added on its way out of a failed body (resume failures).
-        self.exit_notes: list[str] = []
-        #: ``"new"``: the body returned and the epoch moved; ``"old"``: the body failed
-        #: and generation resumed under the old epoch; ``None``: the update never began,
-        #: or was cancelled (the stream closed or its pipeline failed; old epoch too).
-        self.ended: str | None = None
-        self.finished = threading.Event()
-
-    async def hold(self) -> None:
-        try:
-            with self._scope:
-                try:
-                    async with self._open_update() as update:
-                        self.update = update
-                        self._entered.set()
-                        await self._exit.wait()
-                        if self._body_failed:
-                            raise _BodyFailed
-                        if self._before_exit is not None:
-                            self._before_exit(update)
-                        self._leaving_normally = True
-                except _BodyFailed as marker:
-                    self.ended = "old"
-                    self.exit_notes = list(getattr(marker, "__notes__", ()))
-                except Exception as exc:
-                    if self.update is None:
-                        self.enter_error = exc
-                    else:
-                        self.exit_error = exc
-                        self.ended = "new" if self._leaving_normally else "old"
-                else:
-                    self.ended = "new"
-        finally:
-            self._entered.set()
-            self._done.set()
-            self.finished.set()
-
-    async def wait_entered(self) -> None:
-        await self._entered.wait()
-
-    def request_exit(self, body_failed: bool) -> None:
-        """End the update: under the new epoch, or the old one when ``body_failed``. An
-        update that is still entering is given up (its waits are cancelled; old epoch).
-        Trio thread; never blocks, and is harmless once the update has ended."""
-        if self.update is None:
-            self.abandoned = True
-            self._scope.cancel()
-        else:
-            self._body_failed = self._body_failed or body_failed
-        self._exit.set()
-
-    async def finish(self, body_failed: bool) -> None:
-        """:meth:`request_exit`, then wait until the task has ended (the backends have
-        resumed)."""
-        self.request_exit(body_failed)
-        await self._done.wait()
+        mode: WeightUpdateMode = "drain",
+        *,
+        epoch: int | None = None,
+        backends: Sequence[InferenceInterface] | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[WeightUpdate]: ...
 
 
-async def _hold_in(nursery: trio.Nursery | None, held: _HeldUpdate) -> None:
-    """Trio thread: start ``held``'s task in ``nursery`` and wait until the update has
-    begun, failed to begin, or was given up. ``trio.ClosedResourceError`` when the
-    nursery is closing: the pipeline is stopping, and its own news is what to raise."""
-    if nursery is None or nursery.cancel_scope.cancel_called:
-        raise trio.ClosedResourceError("the rollout pipeline is stopping")
-    try:
-        nursery.start_soon(held.hold)
-    except RuntimeError:  # "Nursery is closed to new arrivals"
-        raise trio.ClosedResourceError("the rollout pipeline is stopping") from None
-    await held.wait_entered()
-    if held.update is None and held.enter_error is None and not held.abandoned:
-        raise trio.ClosedResourceError("the rollout pipeline is stopping")
+class StreamSource(Protocol):
+    """Where a bridge's stream comes from, and what the bridge tells it."""
+
+    def open(self) -> contextlib.AbstractAsyncContextManager[BridgedStream]:
+        """The stream, for the life of the bridge's Trio thread; opened so that a group's
+        prompt draws are done when the bridge hands the group to its caller
+        (:meth:`handed`), not when the bridge takes it. Entered in the Trio thread."""
+        ...
+
+    def handed(self, group: RolloutGroup) -> None:
+        """``group`` was returned to the bridge's caller. Caller's thread."""
+        ...
+
+    def kept_after_update(self, kept: list[RolloutGroup], epoch: int) -> list[RolloutGroup]:
+        """A weight update's body returned; its exit moves the epoch to ``epoch``. Give the
+        groups of ``kept`` (taken by the bridge, in order, not returned to its caller yet)
+        that ``epoch`` makes too old back to the stream, and return those the bridge
+        keeps. Trio thread, while the caller's thread waits in the update's exit."""
+        ...
+
+
+class _PipelineSource:
+    """The local pipeline's stream, as :func:`blocking_grouped_rollouts` opens it."""
+
+    def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
+        # Checks run here, in the caller's thread, before a thread is started.
+        self._pipeline = agent.get_grouped_rollouts(request)
+        self._stream: RolloutStream | None = None
+        self._settles = False
+
+    @contextlib.asynccontextmanager
+    async def open(self) -> AsyncIterator[RolloutStream]:
+        async with self._pipeline as stream:
+            self._settles = settle_on_handover(stream)
+            self._stream = stream
+            yield stream
+
+    def handed(self, group: RolloutGroup) -> None:
+        # The stream's record of the group's draws is only popped: thread-safe.
+        if self._settles and self._stream is not None:
+            settle_handed(self._stream, group.batch_id, group.index_in_batch)
+
+    def kept_after_update(self, kept: list[RolloutGroup], epoch: int) -> list[RolloutGroup]:
+        stream = self._stream
+        if stream is None or not kept or is_closed(stream):
+            return kept
+        bound = staleness_bound(stream)
+        if not any(is_too_old(group, epoch, bound) for group in kept):
+            return kept
+        if enforces_order(stream):
+            # Kept groups come first in batch order: all go back to the front of the
+            # stream, whose eviction at the update's exit regenerates the stale ones and
+            # holds back the groups after them until their slots are filled again.
+            put_back(stream, kept)
+            return []
+        return_stale(stream, [group for group in kept if is_too_old(group, epoch, bound)])
+        return [group for group in kept if not is_too_old(group, epoch, bound)]
+
+
+# --------------------------------------------------------------------------- weight updates
 
 
 class _BlockingWeightUpdate:
@@ -206,7 +189,7 @@ class _BlockingWeightUpdate:
         self._mode = mode
         self._epoch = epoch
         self._backends = backends
-        self._held: _HeldUpdate | None = None
+        self._held: HeldContext[WeightUpdate] | None = None
 
     def __enter__(self) -> WeightUpdate:
         if self._held is not None:
@@ -228,6 +211,9 @@ class _BlockingWeightUpdate:
             self._bridge._exit_update(self._held, exc)
 
 
+# --------------------------------------------------------------------------- the bridge
+
+
 class BlockingRolloutStream:
     """The groups of a pipeline running in a background Trio thread.
 
@@ -237,92 +223,53 @@ class BlockingRolloutStream:
     :attr:`policy_epoch`.
     """
 
+    _source: StreamSource
+    _runner: TrioThread[BridgedStream]
+    _stream: BridgedStream | None
+    _opened: BridgedStream | None
+    _failure_raised: bool
+    _held: collections.deque[RolloutGroup]
+
     def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
-        # Checks run here, in the caller's thread, before a thread is started.
-        self._pipeline_cm = agent.get_grouped_rollouts(request)
-        self._stream: RolloutStream | None = None
-        # The stream once opened, kept after the block (policy_epoch stays readable).
-        self._opened: RolloutStream | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop_scope: trio.CancelScope | None = None
-        # Weight updates are held open by tasks of this nursery (see _HeldUpdate).
-        self._nursery: trio.Nursery | None = None
-        self._started = threading.Event()
-        self._failure: BaseException | None = None
-        self._failure_raised = False
-        # Groups received for a take() that then timed out: handed out first next time.
-        self._held: collections.deque[RolloutGroup] = collections.deque()
-        self._thread = threading.Thread(
-            target=self._run_trio, name=f"trio_rollouts:{type(agent).__name__}", daemon=True
-        )
+        drive(self, _PipelineSource(agent, request), f"trio_rollouts:{type(agent).__name__}")
 
     # ---------------------------------------------------------------- the Trio thread
 
-    def _run_trio(self) -> None:
-        try:
-            trio.run(self._serve)
-        except BaseException as exc:  # handed to the caller's thread
-            self._failure = exc
-        finally:
-            self._started.set()
-
-    async def _serve(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        async with self._pipeline_cm as stream:
-            if isinstance(stream, RolloutStream):
-                # A prompt is done when the caller gets its group (see _handed), not
-                # when this thread takes it from the stream.
-                settle_on_handover(stream)
-            self._stream = self._opened = stream
-            # Cancelling the nursery (leaving the block) ends the weight update its task
-            # holds, under the old epoch, before the pipeline closes. A group of
-            # Cancelled is passed on as one, as a plain body would raise it.
-            with flatten_exception_groups():
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    self._stop_scope = nursery.cancel_scope
-                    self._started.set()
-                    await trio.sleep_forever()
-
     def _start(self) -> None:
-        self._thread.start()
-        self._started.wait()
-        if self._failure is not None:
-            # The pipeline failed before the block began: nothing to stop, only to join.
-            self._thread.join()
-            self._raise_failure()
+        try:
+            self._stream = self._opened = self._runner.start(self._source.open())
+        except BaseException as exc:
+            # The pipeline failed before the block began: the thread has ended.
+            self._failure_raised = exc is self._runner.failure
+            raise
 
     def _stop(self) -> None:
-        scope, token = self._stop_scope, self._token
-        if scope is not None and token is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(scope.cancel, trio_token=token)
-        self._thread.join()
-        self._stream = None  # later calls get a clear error, not RunFinishedError
+        self._runner.stop()
+        self._stream = None  # later calls get a clear error
 
     def _raise_failure(self) -> None:
-        if self._failure is not None and not self._failure_raised:
+        failure = self._runner.failure
+        if failure is not None and not self._failure_raised:
             self._failure_raised = True
-            raise self._failure
+            raise failure
 
     def _call(self, afn: Callable[[], Awaitable[T]]) -> T:
         """Run ``afn`` in the Trio thread; a dead pipeline raises its own exception."""
+        return self._through(lambda: self._runner.call(afn))
+
+    def _through(self, op: Callable[[], T]) -> T:
+        """Run ``op`` (a call into the Trio thread); the pipeline's failure, raised by it
+        or pending, is raised once, as itself."""
         self._raise_failure()
-        if self._failure_raised or self._token is None:
+        if self._failure_raised:
             msg = "the rollout pipeline has stopped after an error (raised earlier)"
             raise RuntimeError(msg)
         try:
-            return trio.from_thread.run(afn, trio_token=self._token)
-        except (trio.RunFinishedError, trio.Cancelled, trio.ClosedResourceError) as exc:
-            # The pipeline failed while we waited: its error, not ours, is the news.
-            interrupted = exc
-        # Raised outside the ``except`` block: raising the failure inside it would chain
-        # it to ``interrupted`` ("During handling of the above exception, another
-        # exception occurred"), which is only how the news arrived, and would overwrite
-        # the ``__context__`` the failure had in the Trio thread.
-        self._thread.join()
-        self._raise_failure()
-        raise interrupted
+            return op()
+        except BaseException as exc:
+            if exc is self._runner.failure:
+                self._failure_raised = True
+            raise
 
     # ---------------------------------------------------------------- the surface
 
@@ -333,7 +280,7 @@ class BlockingRolloutStream:
         group arrives on a later call), and ``trio.EndOfChannel`` when a non-streaming
         request's batch has been fully taken.
         """
-        _check_timeout(timeout)
+        check_seconds("timeout", timeout)
         if self._held:
             return self._handed(self._held.popleft())
         stream = self._require_stream()
@@ -361,7 +308,7 @@ class BlockingRolloutStream:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             msg = f"take(n) needs an int n >= 0, got {n!r}"
             raise ValueError(msg)
-        _check_timeout(timeout)
+        check_seconds("timeout", timeout)
         groups: list[RolloutGroup] = []
         while self._held and len(groups) < n:
             groups.append(self._held.popleft())
@@ -423,11 +370,8 @@ class BlockingRolloutStream:
 
     def _handed(self, group: RolloutGroup) -> RolloutGroup:
         """``group`` is returned to the caller: its prompt draw is done (see
-        :class:`~trio_rollouts.PromptSource`). Caller's thread; the source is
-        thread-safe and the pipeline's record of the group's draws is only popped."""
-        stream = self._opened
-        if isinstance(stream, RolloutStream):
-            settle_handed(stream, group.batch_id, group.index_in_batch)
+        :class:`~trio_rollouts.PromptSource`). Caller's thread."""
+        self._source.handed(group)
         return group
 
     def _handed_all(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
@@ -514,65 +458,40 @@ class BlockingRolloutStream:
         mode: WeightUpdateMode,
         epoch: int | None,
         backends: Sequence[InferenceInterface] | None,
-    ) -> tuple[_HeldUpdate, WeightUpdate]:
+    ) -> tuple[HeldContext[WeightUpdate], WeightUpdate]:
         stream = self._require_stream()
-        before_exit = None
-        if isinstance(stream, RolloutStream):  # not a merged Ray stream
+        source = self._source
 
-            def before_exit(update: WeightUpdate) -> None:
-                self._give_back_stale_kept(stream, update.epoch)
+        def before_exit(update: WeightUpdate) -> None:
+            # Trio thread; the caller's thread waits in the update's exit.
+            self._held = collections.deque(source.kept_after_update(list(self._held), update.epoch))
 
-        held = _HeldUpdate(
+        held = HeldContext(
             lambda: stream.weight_update(mode, epoch=epoch, backends=backends), before_exit
         )
-        try:
-            self._call(lambda: _hold_in(self._nursery, held))
-        except BaseException:
-            # The pipeline failed, or this thread was interrupted (KeyboardInterrupt)
-            # while the update entered: it must not stay open.
-            self._abandon(held)
-            raise
-        if held.enter_error is not None:
-            raise held.enter_error
-        if held.update is None:  # pragma: no cover - only an abandoned update has none
-            msg = "the weight update was given up before it began"
-            raise RuntimeError(msg)
-        return held, held.update
+        # Interrupted (KeyboardInterrupt) or failed while it entered, the update is
+        # given up: it never stays open.
+        update = self._through(lambda: self._runner.enter(held))
+        return held, update
 
-    def _exit_update(self, held: _HeldUpdate, exc: BaseException | None) -> None:
-        body_failed = exc is not None
-        token = self._token
-        if not held.finished.is_set() and token is not None:
-            try:
-                trio.from_thread.run(held.finish, body_failed, trio_token=token)
-            except (trio.RunFinishedError, trio.Cancelled):
-                pass  # the run ended, and the update with it: see below
-            except BaseException:
-                # Interrupted while the update exits (KeyboardInterrupt): it still ends,
-                # under the old epoch if it had not got that far.
-                self._abandon(held)
-                raise
+    def _exit_update(self, held: HeldContext[WeightUpdate], exc: BaseException | None) -> None:
+        # Interrupted while it exits, the update still ends, under the old epoch if it
+        # had not got that far.
+        self._runner.exit(held, body_failed=exc is not None)
         if exc is not None:
             for note in held.exit_notes:
                 exc.add_note(note)
             return  # the body's exception propagates; a pipeline failure stays pending
         if held.exit_error is not None:
             raise held.exit_error
-        if held.ended is None:
+        if not held.exited:
             # The stream closed, or its pipeline failed, while the body ran.
             self._raise_lost()
-
-    def _abandon(self, held: _HeldUpdate) -> None:
-        """Ask the Trio thread to give ``held`` up (old epoch); never waits."""
-        token = self._token
-        if token is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(held.request_exit, True)
 
     def _raise_lost(self) -> None:
         """A weight update ended under the old epoch because the pipeline stopped under
         it: raise the pipeline's failure, or say what happened."""
-        self._thread.join()
+        self._runner.wait_stopped()
         self._raise_failure()
         if self._failure_raised:
             msg = (
@@ -583,40 +502,7 @@ class BlockingRolloutStream:
             msg = "the stream closed while the weight update was open; it ended under the old epoch"
         raise RuntimeError(msg)
 
-    # ---------------------------------------------------------------- kept groups and staleness
-    #
-    # take() takes groups as they arrive (taking is what frees generation capacity, so a
-    # take of more groups than the pipeline may hold must take as it goes). When it times
-    # out, the groups it took are kept in _held and handed out first by the next call. A
-    # weight update can make a kept group too old for max_staleness; the stream's own
-    # check saw it when it was fresh, so the bridge checks again as the update's body
-    # returns (the only moment the epoch moves). A stale kept group is given back to the
-    # pipeline: its take is undone in the books (_Pipeline.untake), then it is generated
-    # again in its slot, exactly as the stream regenerates a group it finds too old.
-
-    def _give_back_stale_kept(self, stream: RolloutStream, new_epoch: int) -> None:
-        """Trio thread, as a weight update's body returns and before the epoch moves to
-        ``new_epoch`` (the caller's thread waits in the update's exit)."""
-        if staleness_bound(stream) is None or not self._held or is_closed(stream):
-            return
-        if not any(is_too_old(stream, group, new_epoch) for group in self._held):
-            return
-        if enforces_order(stream):
-            # Kept groups come first in batch order: all go back to the front of the
-            # stream, whose eviction at the update's exit regenerates the stale ones and
-            # holds back the groups after them until their slots are filled again.
-            kept = list(self._held)
-            self._held.clear()
-            put_back(stream, kept)
-            return
-        fresh: collections.deque[RolloutGroup] = collections.deque()
-        stale: list[RolloutGroup] = []
-        for group in self._held:
-            (stale if is_too_old(stream, group, new_epoch) else fresh).append(group)
-        self._held = fresh
-        return_stale(stream, stale)
-
-    def _require_stream(self) -> RolloutStream:
+    def _require_stream(self) -> BridgedStream:
         self._raise_failure()
         if self._stream is None:
             msg = "use the stream inside its 'with blocking_grouped_rollouts(...)' block"
@@ -624,10 +510,39 @@ class BlockingRolloutStream:
         return self._stream
 
 
+# --------------------------------------------------------------------------- for the Ray twin
+
+
+def drive(bridge: BlockingRolloutStream, source: StreamSource, thread_name: str) -> None:
+    """Set ``bridge`` (a :class:`BlockingRolloutStream` or a subclass, from its
+    ``__init__``) up to drive the stream ``source`` opens, in a Trio thread named
+    ``thread_name``. Caller's thread, before the block begins."""
+    bridge._source = source
+    bridge._runner = TrioThread(thread_name)
+    bridge._stream = None
+    # The stream once opened, kept after the block (policy_epoch stays readable).
+    bridge._opened = None
+    bridge._failure_raised = False
+    # Groups received for a take() that then timed out: handed out first next time.
+    bridge._held = collections.deque()
+
+
+def call_in_trio(bridge: BlockingRolloutStream, afn: Callable[[], Awaitable[T]]) -> T:
+    """Run ``afn`` in ``bridge``'s Trio thread, as the bridge's own calls do (its
+    pipeline's failure raised once, as itself). Caller's thread."""
+    return bridge._call(afn)
+
+
+def current_stream(bridge: BlockingRolloutStream) -> BridgedStream:
+    """The stream ``bridge`` drives; ``RuntimeError`` outside its block (or its
+    pipeline's failure, once). Caller's thread."""
+    return bridge._require_stream()
+
+
 StreamT = TypeVar("StreamT", bound=BlockingRolloutStream)
 
 
-class _BlockingContext(Generic[StreamT]):
+class BlockingContext(Generic[StreamT]):
     """Start a bridge's Trio thread on enter; stop and join it on exit, raising the
     pipeline's failure unless the block is already leaving with its own exception."""
 
@@ -673,4 +588,4 @@ def blocking_grouped_rollouts(
     if not isinstance(agent, GroupedRolloutGenerator):
         msg = f"agent must be a GroupedRolloutGenerator, got {type(agent).__name__}"
         raise TypeError(msg)
-    return _BlockingContext(BlockingRolloutStream(agent, request))
+    return BlockingContext(BlockingRolloutStream(agent, request))

@@ -24,7 +24,14 @@ import math
 
 import trio
 
-__all__ = ["DropReason", "UpdateGate"]
+__all__ = ["DropReason", "UpdateGate", "exceeds_bound"]
+
+
+def exceeds_bound(start_epoch: int, epoch: int, bound: int | None) -> bool:
+    """Whether a group generated from ``start_epoch`` is older than ``max_staleness``
+    (``bound``; ``None`` is no bound) at ``epoch``: the one place the bound is computed
+    (invariant 9 of ``_pipeline.py``)."""
+    return bound is not None and epoch - start_epoch > bound
 
 
 class DropReason(enum.Enum):
@@ -135,10 +142,8 @@ class UpdateGate:
         return any(start_epoch < epoch <= self.epoch for epoch in self.unstamped_epochs)
 
     def too_old(self, start_epoch: int) -> bool:
-        """Whether a group generated from ``start_epoch`` exceeds ``max_staleness`` now
-        (invariant 9: the one place the bound is computed)."""
-        bound = self.max_staleness
-        return bound is not None and self.epoch - start_epoch > bound
+        """Whether a group generated from ``start_epoch`` exceeds ``max_staleness`` now."""
+        return exceeds_bound(start_epoch, self.epoch, self.max_staleness)
 
     def calls_in_flight(self) -> int:
         """How many calls are in flight and not dropped."""

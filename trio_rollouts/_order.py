@@ -84,6 +84,25 @@ class BatchOrder:
             else:
                 self.waiting.setdefault(group.batch_id, []).append(group)
 
+    def rewind(self, groups: Sequence[RolloutGroup]) -> None:
+        """Groups handed out and taken back to be generated again (stale): go back to the
+        first batch among them, so that what the order had released after them waits
+        until their slots are filled again and the order stays gap-free. Every group
+        released after the first of ``groups`` must be among them, or have been put back
+        (:meth:`put_back`) first."""
+        if not groups:
+            return
+        first = min(group.batch_id for group in groups)
+        # What the order had released of the first batch: all of it once it moved past.
+        released = self.released_of_next if first == self.next_batch_id else self.num_groups
+        held_back = list(self.ready)
+        self.ready.clear()
+        for group in held_back:
+            self.waiting.setdefault(group.batch_id, []).append(group)
+        back = [*held_back, *groups]
+        self.released_of_next = released - sum(1 for g in back if g.batch_id == first)
+        self.next_batch_id = first
+
     def clear(self) -> int:
         """Drop every group held; return how many there were."""
         count = len(self)

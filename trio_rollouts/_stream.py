@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ._gate import exceeds_bound
 from ._ledger import RolloutStreamStatistics
 from ._models import RolloutGroup
 from ._order import BatchOrder
@@ -314,11 +315,20 @@ def put_back(stream: RolloutStream, groups: Sequence[RolloutGroup]) -> None:
 
 
 def return_stale(stream: RolloutStream, groups: Sequence[RolloutGroup]) -> None:
-    """Undo the takes of ``groups``, found too old after they were handed out, and
-    generate their slots again, first (booked as ``stale``; their draws given back)."""
+    """Undo the takes of ``groups`` (taken from this stream and found too old by the
+    caller) and generate their slots again before any other slot, booked as ``stale``;
+    their prompt draws are given back.
+
+    With ``enforce_order``, the stream goes back to the first batch of ``groups``: what it
+    holds after them waits until their slots are filled again, so the order it hands out
+    stays gap-free. Every group the stream handed out after the first of ``groups`` must
+    be among them or have been given back with :func:`put_back` first."""
     p = stream._pipeline
-    for group in reversed(groups):  # each slot goes first: the first group ends first
+    for group in reversed(groups):
         p.untake(group)
+    if stream._order is not None:
+        stream._order.rewind(groups)
+    for group in reversed(groups):  # each slot goes first: the first group ends first
         p.regenerate_stale(group)
 
 
@@ -327,13 +337,11 @@ def staleness_bound(stream: RolloutStream) -> int | None:
     return stream._pipeline.gate.max_staleness
 
 
-def is_too_old(stream: RolloutStream, group: RolloutGroup, epoch: int | None = None) -> bool:
-    """Whether ``group`` exceeds the staleness bound at the stream's policy epoch, or at
-    ``epoch`` when given (an update's new epoch, before it moves)."""
-    gate = stream._pipeline.gate
-    bound = gate.max_staleness
-    now = gate.epoch if epoch is None else epoch
-    return bound is not None and now - group.start_epoch > bound
+def is_too_old(group: RolloutGroup, epoch: int, bound: int | None) -> bool:
+    """Whether ``group`` may not be handed to a consumer under ``epoch`` with
+    ``max_staleness`` ``bound`` (the Ray merge's epoch, or an update's new one before it
+    moves). Any thread."""
+    return exceeds_bound(group.start_epoch, epoch, bound)
 
 
 def is_closed(stream: RolloutStream) -> bool:

@@ -3,7 +3,7 @@
 ``open_ray_rollouts`` (Trio) and ``blocking_ray_rollouts`` (synchronous code) run an agent's
 grouped pipeline in several Ray actors and hand the consumer one stream with the surface
 of :class:`~trio_rollouts.RolloutStream`. See docs/scaling.md; the implementation and its
-invariants are in ``trio_rollouts/_ray.py``.
+invariants are in ``trio_rollouts/_ray/_merge.py``.
 """
 
 from ._ray import BlockingRayRolloutStream as BlockingRayRolloutStream
