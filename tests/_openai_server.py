@@ -16,7 +16,7 @@ token ids or logprobs only for the fields it knows. Nothing here is a mock of th
 client: the backend under test speaks real HTTP over loopback.
 
 Its ``control`` setting serves a server's weight-update control endpoints, modelled on
-their documented behaviour (``docs/backends.md``, "Pausing for weight updates"):
+their documented behaviour (``docs/pausing-servers.md``):
 
 - ``"vllm"``: ``POST /pause?mode=abort|keep|wait`` (query parameters; ``abort`` by
   default) and ``POST /resume``; with ``dev_mode=False`` they are not mounted (404), as

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 import trio
@@ -16,6 +18,7 @@ from trio_rollouts.inference import (
     ReturnsTokens,
     render_plain_chat,
 )
+from trio_rollouts.testing import NullChatInference
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -32,13 +35,6 @@ class EchoInference(InferenceInterface, ReturnsRaw):
             response=ChatMessage(role="assistant", content=content),
             raw_text=render_plain_chat(request.prompt) + content,
         )
-
-
-@attrs.define(kw_only=True, eq=False)
-class HangingInference(InferenceInterface):
-    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")  # pragma: no cover
 
 
 def test_prepare_request_turns_a_string_into_one_user_message() -> None:
@@ -118,7 +114,7 @@ async def test_agenerate_refuses_what_is_not_a_request() -> None:
 
 
 async def test_agenerate_is_cancellable() -> None:
-    interface = HangingInference()
+    interface = NullChatInference(latency=math.inf)  # hangs until cancelled
     with trio.move_on_after(1) as scope:
         await interface.agenerate(interface.prepare_request("x"))
     assert scope.cancelled_caught

@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import attrs
 import pytest
 import stamina
 import trio
 import trio.testing
 from _openai_server import FakeOpenAIServer, Reply, serving, serving_in_thread
 
-from trio_rollouts import GenerationArgs, GroupedRolloutGenerator, GroupedRolloutRequest, Rollout
+from trio_rollouts import GenerationArgs, GroupedRolloutRequest, Rollout
 from trio_rollouts.inference import (
     BadRequestError,
     InferenceError,
@@ -28,6 +27,7 @@ from trio_rollouts.inference import (
     ServerError,
 )
 from trio_rollouts.inference._pausable import Pausable, WeightUpdateError
+from trio_rollouts.testing import ScriptedAgent
 
 PROMPT = 5.0
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
@@ -550,21 +550,18 @@ async def test_aclose_during_a_pause_leaves_held_calls_working(vllm: FakeOpenAIS
 # --------------------------------------------------------------------------- the pipeline
 
 
-@attrs.define
-class OneCallAgent(GroupedRolloutGenerator):
+async def one_call(agent: ScriptedAgent, request: GroupedRolloutRequest) -> list[Rollout]:
     """A group of one rollout per call, keeping the call's finish reason and stamps."""
-
-    async def group_rollout(self, request: GroupedRolloutRequest) -> list[Rollout]:
-        iface = request.inference_interface
-        response = await iface.agenerate(iface.prepare_request("hello"))
-        return [
-            Rollout(
-                trajectory=[response.raw_text or ""],
-                reward=1.0,
-                policy_epoch=[list(response.policy_epoch)],
-                extra={"finish_reason": response.finish_reason},
-            )
-        ]
+    iface = request.inference_interface
+    response = await iface.agenerate(iface.prepare_request("hello"))
+    return [
+        Rollout(
+            trajectory=[response.raw_text or ""],
+            reward=1.0,
+            policy_epoch=[list(response.policy_epoch)],
+            extra={"finish_reason": response.finish_reason},
+        )
+    ]
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
@@ -572,7 +569,7 @@ async def test_a_stream_update_pauses_the_vllm_server_and_continues_its_calls(
     vllm: FakeOpenAIServer, mode: str
 ) -> None:
     interface = make(vllm.base_url, server="vllm")
-    agent = OneCallAgent(parallel_generation_tasks=2)
+    agent = ScriptedAgent(script=one_call, parallel_generation_tasks=2)
     request = GroupedRolloutRequest(
         num_groups=2, rollouts_per_group=1, inference_interface=interface, streaming=True
     )

@@ -83,7 +83,9 @@ Invariants (each one names tests that check it; files under ``tests/``):
    ``test_weight_update_properties.py``: ``test_weight_updates_keep_every_invariant``;
    ``test_blocking_weight_update.py``:
    ``test_a_kept_group_that_an_update_makes_too_old_is_generated_again_in_its_slot``;
-   ``test_ray.py``: the staleness tests of the merged stream.)
+   ``test_ray_staleness.py``:
+   ``test_groups_waiting_in_the_merge_are_never_handed_out_beyond_the_bound``,
+   ``test_groups_a_timed_out_take_kept_are_never_handed_out_beyond_the_bound``.)
 10. The weight-update gate: while an update's block is open no ``group_rollout`` call
     starts; the body starts only once the calls in flight are settled for its mode and
     every Pausable backend has paused; when the block ends, held calls start one at a
@@ -108,7 +110,10 @@ Invariants (each one names tests that check it; files under ``tests/``):
     bridge's kept groups, the Ray merge's stale ones) is booked as if it had never been
     taken: pending again, its batch outstanding again (whose next completion submits no
     second batch), and it is handed out again or regenerated in its own slot.
-    (``test_blocking_weight_update.py``:
+    (``test_ray_give_back.py``:
+    ``test_a_stale_group_given_back_with_enforce_order_comes_again_in_its_place``,
+    ``test_a_stale_group_given_back_is_generated_again_in_its_slot_first``;
+    ``test_blocking_weight_update.py``:
     ``test_stale_kept_groups_of_completed_batches_keep_the_stream_gap_free``,
     ``test_stale_kept_groups_after_a_returned_group_of_their_batch_stay_in_order``,
     ``test_stale_kept_groups_of_one_group_batches``.)

@@ -10,7 +10,7 @@ epoch, the hold, which replicas may be paused). This module also holds which end
 server has for each step, the per-run pause state, and how an aborted response and its
 continuation become one.
 
-The endpoints (``docs/backends.md``, "Pausing for weight updates"):
+The endpoints (``docs/pausing-servers.md``):
 
 - vLLM (the router mounted only with ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep``
   or ``?mode=abort`` (query parameters, no body), ``POST /resume``. Requests that arrive

@@ -310,7 +310,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     - ``server``: ``"vllm"`` or ``"sglang"`` to pause through that server's control
       endpoints for a weight update (all four modes), or ``None`` (the default): pauses
       hold calls client-side only (``drain`` and ``restart``). See :meth:`pause` and
-      ``docs/backends.md``, "Pausing for weight updates".
+      ``docs/pausing-servers.md``.
 
     Every set field of the request's ``GenerationArgs`` is forwarded as is
     (``temperature``, ``top_p``, ``max_tokens``, and ``top_k`` as a top-level key, which
@@ -323,7 +323,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     (with or without token ids), ``finish_reason``, ``usage``, and Megatron's
     ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` when present (without
     Megatron's stamps, ``policy_epoch`` is ``[(0, e)]``, ``e`` the :attr:`policy_epoch`
-    the call started under). See ``docs/backends.md``.
+    the call started under). See ``docs/pausing-servers.md``.
     """
 
     base_url: tuple[str, ...] = attrs.field(converter=_to_base_urls, repr=_repr_urls, kw_only=False)
