@@ -7,7 +7,8 @@ Conventions (for whoever writes a page in ``docs/`` or the README):
   one namespace, as in a notebook: a later block may use what an earlier one defined.
 - A block is skipped only when the line before its fence is
   ``<!-- docs-test: skip (reason) -->``; the reason is required (an HTML comment, so no
-  renderer shows it). Skip fragments (``async for group in stream: ...``) and examples
+  renderer shows it). ``<!-- docs-test: embedded-only (reason) -->`` skips it in the
+  text-only run alone (for an example that needs token ids or logprobs, and says so). Skip fragments (``async for group in stream: ...``) and examples
   that need what a test run lacks (a model server, Ray).
 - A block with top-level ``await`` / ``async with`` runs inside ``trio.run``, as an
   example meant for code that already runs in Trio.
@@ -58,7 +59,7 @@ PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:(?P<directive>.*?)-->\s*$")
-SKIP = re.compile(r"^\s*skip\s*\((?P<reason>.*\S.*)\)\s*$")
+SKIP = re.compile(r"^\s*(?P<kind>skip|embedded-only)\s*\((?P<reason>.*\S.*)\)\s*$")
 
 
 @attrs.frozen
@@ -70,6 +71,11 @@ class Example:
     line: int
     code: str
     skip_reason: str | None
+    #: The reason it runs in the embedded run only (``None``: it runs in both).
+    embedded_only: str | None = None
+
+    def runs_in(self, backend: str) -> bool:
+        return self.skip_reason is None and (backend == "embedded" or not self.embedded_only)
 
 
 def examples(page: Path) -> list[Example]:
@@ -96,20 +102,29 @@ def examples(page: Path) -> list[Example]:
         index += 1  # past the closing fence
         if opening["info"].strip() == "python":
             where = f"{page.name}:{start}"
+            kind, reason = marker_of(previous, where)
             found.append(
-                Example(page, start + 1, "\n".join(body) + "\n", skip_reason(previous, where))
+                Example(
+                    page,
+                    start + 1,
+                    "\n".join(body) + "\n",
+                    reason if kind == "skip" else None,
+                    reason if kind == "embedded-only" else None,
+                )
             )
         previous = ""
     return found
 
 
-def skip_reason(line: str, where: str) -> str | None:
+def marker_of(line: str, where: str) -> tuple[str | None, str | None]:
+    """The marker on the line before a fence: its kind (``skip``, ``embedded-only``)
+    and reason, or ``(None, None)``."""
     marker = MARKER.match(line)
     if marker is None:
         if "docs-test" in line:
             msg = f"{where}: a malformed docs-test marker: {line.strip()!r}"
             raise ValueError(msg)
-        return None
+        return None, None
     skip = SKIP.match(marker["directive"])
     if skip is None:
         msg = (
@@ -117,7 +132,7 @@ def skip_reason(line: str, where: str) -> str | None:
             "a skip needs its reason"
         )
         raise ValueError(msg)
-    return skip["reason"].strip()
+    return skip["kind"], skip["reason"].strip()
 
 
 # ----------------------------------------------------------------------- the backends
@@ -189,7 +204,7 @@ def run_page(page: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> int:
     monkeypatch.setitem(sys.modules, module.__name__, module)
     ran = 0
     for example in examples(page):
-        if example.skip_reason is None:
+        if example.runs_in(backend):
             try:
                 run_example(example, module.__dict__)
             except Exception as exc:
@@ -276,3 +291,12 @@ def test_the_text_only_backend_returns_text_and_nothing_else() -> None:
     assert response.raw_text.endswith(response.response.content)
     assert (response.token_ids, response.prompt_length, response.logprobs) == (None, None, None)
     assert (response.policy_epoch, response.kv_cache_epoch) == ([], [])
+
+
+def test_an_embedded_only_block_is_skipped_in_the_text_only_run(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("<!-- docs-test: embedded-only (needs token ids) -->\n```python\nx = 1\n```\n")
+    (example,) = examples(page)
+    assert (example.skip_reason, example.embedded_only) == (None, "needs token ids")
+    assert example.runs_in("embedded")
+    assert not example.runs_in("text-only")

@@ -164,3 +164,84 @@ async def test_groups_are_token_rollouts_of_the_environment(
             assert rollout.env_id == "arithmetic"
             assert rollout.problem_id in ids
     assert len({g[0].problem_id for g in groups}) == 4
+
+
+# ------------------------------------------------------------------------ a policy that learns
+
+
+async def learn(steps: int, autojump_seed: int = 0) -> tuple[float, float, list[float]]:
+    """The demo's loop, built from public names: ArithmeticEnvironment, AnswerTablePolicy
+    on EmbeddedInference, GRPO steps inside weight updates."""
+    env = ArithmeticEnvironment(num_problems=8, seed=autojump_seed, parallel_generation_tasks=16)
+    policy = trio_rollouts.envs.AnswerTablePolicy.initial(env.problems, 4, seed=0)
+    interface = EmbeddedInference(policy=policy, seed=0)
+    request = tr.GroupedRolloutRequest(
+        num_groups=8, rollouts_per_group=8, inference_interface=interface, streaming=True
+    )
+    before = policy.accuracy()
+    rewards = []
+    async with env.get_grouped_rollouts(request) as stream:
+        for _ in range(steps):
+            groups = [await stream.receive() for _ in range(8)]
+            rewards.append(float(sum(g.reward_mean() for g in groups) / len(groups)))
+            async with stream.weight_update("keep"):
+                policy.grpo_step(groups, learning_rate=2.0, clip=0.2)
+    return before, policy.accuracy(), rewards
+
+
+async def test_answer_table_policy_learns_arithmetic_on_the_embedded_backend(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    before, after, rewards = await learn(12)
+    assert before < 0.4
+    assert after > before + 0.3
+    assert sum(rewards[-3:]) > sum(rewards[:3])
+
+
+def test_answer_table_policy_refuses_a_prompt_it_was_not_made_for() -> None:
+    policy = trio_rollouts.envs.AnswerTablePolicy.initial(make_problems(2, 0), 4, seed=0)
+    with pytest.raises(ValueError, match="AnswerTablePolicy knows only the problems"):
+        policy([tr.ChatMessage(role="user", content="What is the capital of France?")])
+
+
+async def test_the_default_policy_scores_nothing_and_the_pipeline_warns_early(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The default policy answers "The answer is A." and the like: every reward is 0.
+    env = ArithmeticEnvironment(num_problems=8, seed=0, parallel_generation_tasks=8)
+    request = tr.GroupedRolloutRequest(
+        num_groups=8, rollouts_per_group=4, inference_interface=EmbeddedInference(seed=0),
+        streaming=True,
+    )  # fmt: skip
+    stds: list[float] = []
+
+    async def take_40() -> None:
+        async with env.get_grouped_rollouts(request) as stream:
+            async for group in stream:
+                stds.append(group.reward_std())
+                if len(stds) == 40:
+                    break
+
+    with pytest.warns(RuntimeWarning, match=r"the first 32 groups each had one reward") as w:
+        await take_40()
+    assert stds == [0.0] * 40
+    assert len(w) == 1  # once per stream
+    assert "AnswerTablePolicy" in str(w[0].message)
+
+
+async def test_with_filtering_the_warning_comes_long_before_the_filter_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    env = ArithmeticEnvironment(
+        num_problems=8, seed=0, parallel_generation_tasks=8, max_consecutive_filtered=200
+    )
+    request = tr.GroupedRolloutRequest(
+        num_groups=8, rollouts_per_group=4, inference_interface=EmbeddedInference(seed=0),
+        streaming=True, filter_groups_with_same_reward=True,
+    )  # fmt: skip
+    with (
+        pytest.warns(RuntimeWarning, match=r"the first 32 groups"),
+        pytest.raises(RuntimeError, match="groups in a row had identical rewards"),
+    ):
+        async with env.get_grouped_rollouts(request) as stream:
+            await stream.receive()

@@ -170,6 +170,9 @@ __all__ = [
 
 #: A group whose rewards have a population std at or below this is "all the same".
 FILTER_STD_THRESHOLD = 1e-6
+#: After this many groups in a row, from the start, whose rewards were all the same
+#: within each group, the pipeline warns: every GRPO advantage is 0.
+SAME_REWARD_WARNING_AFTER = 32
 _ROLLOUT_TYPES = frozenset({Rollout, TokenRollout})
 
 
@@ -281,6 +284,7 @@ class Pipeline:
         "receive_channel",
         "request",
         "result_epoch",
+        "same_reward_groups",
         "send_channel",
         "skipping",
         "slots",
@@ -319,6 +323,9 @@ class Pipeline:
         self.consecutive_filtered = 0
         # Whether a worker raised the pipeline's own error (see fail_once).
         self.failing = False
+        # Groups from the start whose rewards were all the same (see watch_rewards); -1
+        # once a group with different rewards was seen, or the warning was given.
+        self.same_reward_groups = 0 if request.rollouts_per_group > 1 else -1
         self.policy = agent.failure_policy
         self.policy_is_trivial = self.policy.is_trivial
         self.prompts = agent.prompts
@@ -360,6 +367,37 @@ class Pipeline:
         if self.draws.tracking:
             self.draws.taken((batch_id, group.index_in_batch))
         self.slots.taken(batch_id)
+        if self.same_reward_groups >= 0:
+            self.watch_rewards(group)
+
+    def watch_rewards(self, group: RolloutGroup) -> None:
+        """Warn early when the groups from the start all have one reward each: every
+        advantage is 0 and training learns nothing (a reward function that cannot be
+        met, or a policy that cannot meet it). Looks at the first groups only, so the
+        hot path pays one comparison per group after that."""
+        rewards = [r.reward if isinstance(r, Rollout) else r.scalar_reward for r in group.rollouts]
+        if any(reward is None for reward in rewards):
+            self.same_reward_groups = -1  # no rewards to judge
+            return
+        low, high = min(rewards), max(rewards)  # type: ignore[type-var]
+        if high - low > FILTER_STD_THRESHOLD:  # type: ignore[operator]
+            self.same_reward_groups = -1
+            return
+        self.same_reward_groups += 1
+        if self.same_reward_groups >= SAME_REWARD_WARNING_AFTER:
+            self.same_reward_groups = -1
+            first = group.rollouts[0]
+            msg = (
+                f"the first {SAME_REWARD_WARNING_AFTER} groups each had one reward for all "
+                f"their rollouts (the last: {low!r}, env_id={first.env_id!r}): every GRPO "
+                "advantage is 0 and a trainer learns nothing from them. Check the reward "
+                "function against the completions; EmbeddedInference's default policy "
+                "(HashedPromptPolicy) answers 'The answer is A.' and the like, which no "
+                "task's reward accepts: use a policy that can answer "
+                "(trio_rollouts.envs.AnswerTablePolicy for ArithmeticEnvironment) or a "
+                "real model"
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
     def untake(self, group: RolloutGroup) -> None:
         """Undo :meth:`taken` (invariant 12): the group is pending again, as if the stream
@@ -608,6 +646,8 @@ class Pipeline:
                 return group
             if draws:
                 finish(draws)  # filtered: done for this epoch, not trained
+            if self.same_reward_groups >= 0:
+                self.watch_rewards(group)
             ledger.filtered += 1
             if env is not None:
                 env.filtered += 1

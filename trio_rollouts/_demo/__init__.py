@@ -22,18 +22,19 @@ atomically, the policy's logits, the step, the stream's policy epoch, the source
 the metrics so far and the settings; a run started on a directory holding a checkpoint
 goes on from it (see :func:`run_demo`).
 
-The package, one idea a module: ``_policy`` (the model and its GRPO step), ``_environment``
+The package, one idea a module (the model and its GRPO step are public, in
+:mod:`trio_rollouts.envs`): ``_environment``
 (arithmetic with seeded dispatch delays), ``_config`` (:class:`DemoConfig`), ``_trainer``
 (one training step and its :class:`StepMetrics`), ``_checkpoint`` (the checkpoint format:
 written atomically, read back checked) and ``_run`` (:func:`run_demo`, the whole run).
 """
 
+from ..envs import AnswerTablePolicy as AnswerTablePolicy
 from ._checkpoint import CHECKPOINT_FILE as CHECKPOINT_FILE
 from ._checkpoint import DemoCheckpoint as DemoCheckpoint
 from ._checkpoint import DemoCheckpointMismatch as DemoCheckpointMismatch
 from ._checkpoint import load_demo_checkpoint as load_demo_checkpoint
 from ._config import DemoConfig as DemoConfig
-from ._policy import AnswerTablePolicy as AnswerTablePolicy
 from ._run import DemoResult as DemoResult
 from ._run import run_demo as run_demo
 from ._trainer import StepMetrics as StepMetrics

@@ -21,8 +21,8 @@ import attrs
 import numpy as np
 import trio
 
+from ..envs._answer_table import FloatArray
 from ._config import DemoConfig
-from ._policy import FloatArray
 from ._trainer import StepMetrics
 
 __all__ = [

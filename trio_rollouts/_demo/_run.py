@@ -16,11 +16,11 @@ import trio
 from .._models import GroupedRolloutRequest
 from .._prompts import PromptSource
 from .._stream import RolloutStream
+from ..envs import AnswerTablePolicy
 from ..inference import EmbeddedInference
 from ._checkpoint import TOTALS, DemoCheckpoint, load_demo_checkpoint, save_checkpoint
 from ._config import DemoConfig
 from ._environment import DemoEnvironment
-from ._policy import AnswerTablePolicy
 from ._trainer import StepMetrics, Trainer
 
 __all__ = ["DemoResult", "run_demo"]

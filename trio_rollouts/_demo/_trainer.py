@@ -14,8 +14,8 @@ import trio
 
 from .._prompt_file import write_groups
 from .._stream import RolloutStream
+from ..envs import AnswerTablePolicy
 from ._config import DemoConfig
-from ._policy import AnswerTablePolicy
 
 __all__ = ["StepMetrics", "Trainer"]
 

@@ -1,7 +1,8 @@
 """Example environments: agents with verifiable rewards that run on any inference interface.
 
 :class:`ArithmeticEnvironment` (arithmetic problems, reward 1.0 for the right number) is
-the environment of ``trio-rollouts demo``; it is a :class:`RewardOnlyAgent`, the base for
+the environment of ``trio-rollouts demo``, and :class:`AnswerTablePolicy` the policy
+that learns it on the embedded backend; it is a :class:`RewardOnlyAgent`, the base for
 environments that sample completions of one prompt per group and score them. The
 preference environments pair completions for DPO-style training
 (:class:`BestWorstContrastiveGenerator`) and compare several interfaces on the same
@@ -13,6 +14,7 @@ from .._reward_only import RewardOnlyAgent as RewardOnlyAgent
 from .._reward_only import contains_reward as contains_reward
 from .._reward_only import exact_match_reward as exact_match_reward
 from .._reward_only import last_number_reward as last_number_reward
+from ._answer_table import AnswerTablePolicy as AnswerTablePolicy
 from ._preference import BestWorstContrastiveGenerator as BestWorstContrastiveGenerator
 from ._preference import HeadToHeadResult as HeadToHeadResult
 from ._preference import HeadToHeadRolloutGenerator as HeadToHeadRolloutGenerator

@@ -1,6 +1,8 @@
-"""The demo's model: :class:`AnswerTablePolicy`, a numpy table of logits over candidate
-answers that :class:`~trio_rollouts.inference.EmbeddedInference` serves as its
-:data:`~trio_rollouts.inference.Policy`, and the clipped GRPO step that trains it."""
+"""A policy that learns: :class:`AnswerTablePolicy`, a numpy table of logits over
+candidate answers to arithmetic problems that
+:class:`~trio_rollouts.inference.EmbeddedInference` serves as its
+:data:`~trio_rollouts.inference.Policy`, and the clipped GRPO step that trains it. It is
+the model of ``trio-rollouts demo``, and the way to build that loop yourself."""
 
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ def _distractors(problem: Problem, rng: np.random.Generator, count: int) -> list
 
 @attrs.define(kw_only=True, eq=False)
 class AnswerTablePolicy:
-    """The demo's model: a lookup table, not a language model.
+    """A learnable policy for :class:`~trio_rollouts.envs.ArithmeticEnvironment` on the
+    embedded backend (the model of ``trio-rollouts demo``): a lookup table, not a
+    language model.
 
     For each problem it holds ``K`` candidate completions, the number ``N`` written out,
     for the right ``N`` and for ``K - 1`` plausible mistakes (off by one, two or ten, the
@@ -60,7 +64,20 @@ class AnswerTablePolicy:
     its problem's logits. Called with a prompt, it returns the candidates and their
     probabilities, as :data:`~trio_rollouts.inference.Policy` says. Training moves the
     logits, so it learns which candidate is right *for each problem in its table*; it
-    does not learn arithmetic and has nothing to say about any other prompt.
+    does not learn arithmetic and has nothing to say about any other prompt (a
+    ``ValueError`` naming it).
+
+    Make one with :meth:`initial` for the environment's problems, serve it with
+    ``EmbeddedInference(policy=policy, ...)`` (which then samples the candidates and
+    returns token ids and log-probabilities), and train it with :meth:`grpo_step` on the
+    groups you take, inside ``stream.weight_update(...)``::
+
+        env = ArithmeticEnvironment(num_problems=16, seed=0)
+        policy = AnswerTablePolicy.initial(env.problems, num_candidates=4, seed=0)
+        interface = EmbeddedInference(policy=policy, seed=0)
+        ...
+        async with stream.weight_update("keep"):
+            policy.grpo_step(groups, learning_rate=2.0, clip=0.2)
     """
 
     problems: list[Problem]
@@ -106,7 +123,10 @@ class AnswerTablePolicy:
     def __call__(self, prompt: list[ChatMessage]) -> tuple[Sequence[str], npt.ArrayLike]:
         row = self._row_of_prompt.get(prompt[-1].content)
         if row is None:
-            msg = f"the demo policy knows only its own problems, not {prompt[-1].content!r:.80}"
+            msg = (
+                "AnswerTablePolicy knows only the problems it was made for, not "
+                f"{prompt[-1].content!r:.80}"
+            )
             raise ValueError(msg)
         return self.candidates[row], _softmax(self.logits[row])
 
@@ -139,7 +159,10 @@ class AnswerTablePolicy:
                 if advantage == 0.0:
                     continue
                 if not isinstance(rollout, TokenRollout):
-                    msg = f"the demo trainer needs token rollouts, got {type(rollout).__name__}"
+                    msg = (
+                        "AnswerTablePolicy.grpo_step needs token rollouts (an interface "
+                        f"that returns tokens and logprobs), got {type(rollout).__name__}"
+                    )
                     raise TypeError(msg)
                 row = self._row_of_problem_id[str(rollout.problem_id)]
                 column = self._column_of[row][_generated_text(rollout)]
