@@ -482,7 +482,8 @@ class Pipeline:
                 if slot is None:
                     if not self.park_when_idle:
                         return None
-                    await slots.park()
+                    await slots.idle_workers.park()
+                    slots.woke()
                     continue
                 batch_id, index = slot
                 if not self.fast:
@@ -555,29 +556,28 @@ class Pipeline:
             # submitted, and parks when there are none.
             ledger.pending += 1
             if slots.blocked_senders > slots.woken_senders:
-                await self.send_when_room(group)  # senders already wait: no room
+                full = True  # senders already wait: the buffer has no room
             else:
                 try:
                     self.send_channel.send_nowait(group)
+                    full = False
                 except trio.WouldBlock:
-                    await self.send_when_room(group)
+                    full = True
+            if full:
+                slots.sender_blocked()
+                try:
+                    await self.send_channel.send(group)
+                except BaseException as exc:
+                    slots.sender_unblocked(sent=False)
+                    if isinstance(exc, trio.Cancelled):
+                        ledger.pending -= 1
+                        ledger.cancelled += 1  # a finished group nobody took
+                    raise
+                slots.sender_unblocked(sent=True)
             if not self.park_when_idle:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
                     self.send_channel.close()
-
-    async def send_when_room(self, group: RolloutGroup) -> None:
-        """Wait in ``send`` until the buffer has room for ``group`` (invariant 3).
-
-        Cancellation: cancelled while it waits, the group is booked as cancelled (a
-        finished group nobody took) and ``Cancelled`` propagates.
-        """
-        try:
-            await self.slots.send(self.send_channel, group)
-        except trio.Cancelled:
-            self.ledger.pending -= 1
-            self.ledger.cancelled += 1  # a finished group nobody took
-            raise
 
     def book_dropped(self, reason: DropReason) -> None:
         """Book a call that a weight update dropped (its slot is generated again)."""

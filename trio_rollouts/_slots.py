@@ -14,13 +14,10 @@ of who is coming to claim a free slot (workers just woken from a full channel's
 from __future__ import annotations
 
 import collections
-from typing import TypeVar
 
 import trio
 
 __all__ = ["Slots"]
-
-T = TypeVar("T")
 
 
 class Slots:
@@ -88,19 +85,24 @@ class Slots:
             self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
 
     def claim(self) -> tuple[int, int] | None:
-        """The next free slot for the calling worker, or ``None`` when there is none."""
-        if not self.free:
+        """The next free slot for the calling worker, or ``None`` when there is none (it
+        then parks in :attr:`idle_workers` and calls :meth:`woke` when unparked)."""
+        free = self.free
+        if not free:
             return None
-        slot = self.free.popleft()
-        self.wake_workers()
+        slot = free.popleft()
+        # wake_workers(), inline: this runs once per group.
+        needed = len(free) - self.coming_to_claim
+        if needed > 0:
+            self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
         return slot
 
-    async def park(self) -> None:
-        """Wait, idle, until a slot is submitted for this worker to claim.
+    def woke(self) -> None:
+        """A worker parked in :attr:`idle_workers` was unparked to claim a slot.
 
-        Cancellation: a cancellation point (the worker is parked, nothing is lost).
-        """
-        await self.idle_workers.park()
+        (The workers park and send inline, with these methods keeping the books around
+        the awaits: a coroutine layer of ours on those paths would cost on every
+        suspension and resumption, once per group.)"""
         self.coming_to_claim -= 1
 
     # ---------------------------------------------------------------- the channel
@@ -116,20 +118,17 @@ class Slots:
             self.woken_senders += 1
             self.coming_to_claim += 1
 
-    async def send(self, channel: trio.MemorySendChannel[T], item: T) -> None:
-        """``channel.send(item)`` for a worker whose ``send_nowait`` found the buffer
-        full, counted as a blocked sender until a receive wakes it.
-
-        Cancellation: a cancellation point; cancelled, ``item`` was not sent.
-        """
+    def sender_blocked(self) -> None:
+        """A worker's ``send_nowait`` found the buffer full: it waits in ``send``."""
         self.blocked_senders += 1
-        try:
-            await channel.send(item)
-        finally:
-            self.blocked_senders -= 1
-        # Woken by a receive (counted in channel_received), not cancelled.
-        self.woken_senders -= 1
-        self.coming_to_claim -= 1
+
+    def sender_unblocked(self, sent: bool) -> None:
+        """The worker's ``send`` returned (``sent``: woken by a receive, counted in
+        :meth:`channel_received`, and it will claim next) or was cancelled."""
+        self.blocked_senders -= 1
+        if sent:
+            self.woken_senders -= 1
+            self.coming_to_claim -= 1
 
     # ---------------------------------------------------------------- takes
 
