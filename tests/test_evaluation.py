@@ -218,6 +218,8 @@ async def test_results_count_correct_samples_per_prompt_in_prompt_order(
         prompt = f"question {i}"
         expected = [1.0 if correct_sample(prompt, k) else 0.0 for k in range(5)]
         assert result.sample_rewards == expected
+        assert len(result.sample_responses) == 5
+        assert [r == "right" for r in result.sample_responses] == [e == 1.0 for e in expected]
         assert (result.n, result.c) == (5, sum(expected))
         assert result.greedy_correct == (i % 2 == 0)
         assert result.response == ("right" if i % 2 == 0 else "wrong")

@@ -172,6 +172,19 @@ async def test_a_text_interface_gives_text_rollouts() -> None:
         assert rollout.num_evictions == [1]
 
 
+async def test_rollouts_keep_the_completion_its_finish_reason_and_usage_in_extra(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # As the CLI's output rows do, for library users too.
+    interface = EmbeddedInference(seed=1, policy=fixed(["4", "5"], [0.5, 0.5]), latency=STEADY)
+    token_group = await OneProblem().group_rollout(request(interface, size=4))
+    text_group = await OneProblem().group_rollout(request(TextOnly()))
+    for rollout in [*token_group, *text_group]:
+        assert set(rollout.extra) == {"completion", "finish_reason", "usage"}
+        assert rollout.reward == (1.0 if rollout.extra["completion"] == "4" else 0.0)
+    assert {r.extra["finish_reason"] for r in token_group} == {"stop"}
+
+
 async def test_responses_without_token_ids_give_text_rollouts() -> None:
     group = await OneProblem().group_rollout(request(TokensMissing()))
     assert all(isinstance(r, tr.Rollout) and r.trajectory == ["x4"] for r in group)

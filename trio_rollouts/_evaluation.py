@@ -254,7 +254,8 @@ class PassAtKResult(RewardEvaluationResult):
     """One prompt's pass@k evaluation.
 
     ``n`` samples, ``c`` of them correct (reward >= the agent's ``correct_threshold``),
-    their rewards in sample order in ``sample_rewards``. With a greedy run, ``response``
+    their rewards and completions' texts in sample order in ``sample_rewards`` and
+    ``sample_responses``. With a greedy run, ``response``
     and ``reward`` are the greedy completion's and ``greedy_correct`` says whether it was
     correct; without one, they are the first sample's and ``greedy_correct`` is ``None``.
     """
@@ -263,6 +264,7 @@ class PassAtKResult(RewardEvaluationResult):
     c: int = attrs.field(validator=int_at_least(0))
     greedy_correct: bool | None = None
     sample_rewards: list[float] = attrs.field(factory=list)
+    sample_responses: list[str] = attrs.field(factory=list)
 
     def pass_at(self, k: int) -> float:
         """This prompt's pass@k estimate (see :func:`pass_at_k`)."""
@@ -391,6 +393,7 @@ class PassAtKEvaluationAgent(EvaluationAgent):
                     c=sum(reward >= self.correct_threshold for reward in sampled),
                     greedy_correct=shown_reward >= self.correct_threshold if self.greedy else None,
                     sample_rewards=sampled,
+                    sample_responses=[text for text, _ in completions[: self.n]],
                 )
             )
         return PassAtKEvaluationResponse(

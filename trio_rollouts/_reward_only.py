@@ -17,6 +17,7 @@ import abc
 import math
 import re
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -148,6 +149,7 @@ def _token_rollout(
         policy_epoch=[list(response.policy_epoch)] if response.policy_epoch else [],
         kv_cache_epoch=[list(response.kv_cache_epoch)] if response.kv_cache_epoch else [],
         num_evictions=[response.num_evictions],
+        extra=_response_extra(response),
     )
 
 
@@ -169,7 +171,18 @@ def _text_rollout(
         policy_epoch=[list(response.policy_epoch)] if response.policy_epoch else [],
         kv_cache_epoch=[list(response.kv_cache_epoch)] if response.kv_cache_epoch else [],
         num_evictions=[response.num_evictions],
+        extra=_response_extra(response),
     )
+
+
+def _response_extra(response: InferenceResponse) -> dict[str, Any]:
+    """What a rollout keeps of its response beyond the trajectory, in ``extra`` (as the
+    CLI's output rows do): the completion's text, why it stopped, the server's usage."""
+    return {
+        "completion": response.response.content,
+        "finish_reason": response.finish_reason,
+        "usage": response.usage,
+    }
 
 
 def build_rollouts(
