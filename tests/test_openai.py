@@ -26,6 +26,7 @@ from _openai_server import (
     serving,
     serving_in_thread,
 )
+from _raw_http_server import ScriptedResolver
 
 from trio_rollouts import ChatMessage, GenerationArgs
 from trio_rollouts.inference import (
@@ -100,6 +101,22 @@ def closed_port_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}/v1"
+
+
+async def failures_of_concurrent_calls(interface: OpenAIInference, n: int) -> list[InferenceError]:
+    """The errors of ``n`` calls made at once, each of which must fail."""
+    errors: list[InferenceError] = []
+
+    async def one() -> None:
+        with pytest.raises(InferenceError) as caught:
+            await interface.agenerate(ask(interface))
+        errors.append(caught.value)
+
+    with trio.fail_after(PROMPT):
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+    return errors
 
 
 # --------------------------------------------------------------------------- configuration
@@ -568,6 +585,66 @@ async def test_connection_refused_is_retried_then_raised() -> None:
         await interface.agenerate(ask(interface))
     assert interface.statistics().attempts == (3,)
     assert url in str(caught.value)
+
+
+async def test_connection_refused_says_so_on_one_line() -> None:
+    url = closed_port_url()
+    interface = make(url, max_retries=0)
+    with trio.fail_after(PROMPT), pytest.raises(InferenceConnectionError) as caught:
+        await interface.agenerate(ask(interface))
+    host_port = url.removeprefix("http://").removesuffix("/v1")
+    assert str(caught.value) == (
+        f"POST {url}/chat/completions failed: connection refused: is a server listening on "
+        f"{host_port}?"
+    )
+
+
+async def test_a_host_name_that_does_not_exist_is_final_and_named() -> None:
+    resolver = ScriptedResolver().install()
+    url = "http://no-such-host.invalid:8000/v1"
+    interface = make(url, max_retries=3)
+    errors = await failures_of_concurrent_calls(interface, 512)  # the CLI's default
+    assert interface.statistics().attempts == (512,)  # none retried
+    assert {type(error) for error in errors} == {InferenceError}
+    assert not isinstance(errors[0], TRANSIENT_ERRORS)
+    assert str(errors[0]) == (
+        f"POST {url}/chat/completions failed: cannot resolve host 'no-such-host.invalid' "
+        "(Name or service not known): check the host name"
+    )
+    if interface.uses_lean_transport:  # connects share lookups: a few, not one per request
+        assert resolver.calls < 10
+
+
+async def test_a_temporary_lookup_failure_stays_transient() -> None:
+    class TryAgain(ScriptedResolver):
+        async def getaddrinfo(self, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            await trio.lowlevel.checkpoint()
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    TryAgain().install()
+    interface = make("http://flaky.invalid:8000/v1", max_retries=1)
+    with trio.fail_after(PROMPT), pytest.raises(InferenceConnectionError) as caught:
+        await interface.agenerate(ask(interface))
+    assert "cannot resolve host 'flaky.invalid' (Temporary failure" in str(caught.value)
+    assert interface.statistics().attempts == (2,)
+
+
+async def test_a_lookup_stuck_behind_busy_threads_is_not_read_as_a_timeout(
+    transport: str,
+) -> None:
+    # The first lookups never answer, as when they queue behind Trio's busy resolver
+    # threads; a name that does not exist must still come out as such, not as timeouts.
+    ScriptedResolver(hang_first=4 if transport == "httpx2" else 1).install()
+    interface = make(
+        "http://no-such-host.invalid:8000/v1",
+        max_connections=4,
+        timeout=Timeout(connect=0.2),
+        max_retries=3,
+    )
+    errors = await failures_of_concurrent_calls(interface, 4)
+    assert {type(error) for error in errors} == {InferenceError}
+    assert all("cannot resolve host 'no-such-host.invalid'" in str(e) for e in errors)
 
 
 async def test_slow_server_raises_timeout_error(server: FakeOpenAIServer) -> None:
