@@ -209,6 +209,47 @@ def test_base_url_must_be_http(url: str) -> None:
         make(url)
 
 
+@pytest.mark.parametrize(
+    ("url", "advice"),
+    [
+        (
+            "http://10.0.0.7:8000/v1/chat/completions",
+            "use base_url='http://10.0.0.7:8000/v1' (the client posts to base_url + "
+            "'/chat/completions' for endpoint='chat')",
+        ),
+        (
+            "http://10.0.0.7:8000/v1/completions/",
+            "use base_url='http://10.0.0.7:8000/v1', endpoint='completions' (",
+        ),
+    ],
+)
+def test_an_endpoint_url_as_base_url_is_refused_with_the_root_to_give(
+    url: str, advice: str
+) -> None:
+    with pytest.raises(ValueError, match="is the URL of an endpoint, not the API root") as caught:
+        make(url)
+    assert advice in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "advice"),
+    [
+        ("model", "give it as OpenAIInference(model=...)"),
+        ("messages", "request's prompt"),
+        ("prompt", "request's prompt"),
+        ("tools", "InferenceRequest(tools=...)"),
+        ("stream", "does not stream"),
+        ("n", "one request per sample"),
+    ],
+)
+def test_extra_body_may_not_set_what_the_client_sets_or_cannot_honour(
+    key: str, advice: str
+) -> None:
+    with pytest.raises(ValueError, match=f"extra_body may not set '{key}'") as caught:
+        make("http://127.0.0.1:1/v1", extra_body={key: "x"})
+    assert advice in str(caught.value)
+
+
 def test_duplicate_replicas_are_refused() -> None:
     with pytest.raises(ValueError, match="twice"):
         make(["http://127.0.0.1:1/v1", "http://127.0.0.1:1/v1/"])

@@ -67,6 +67,15 @@ async def test_a_base_url_without_v1_gets_a_hint(server: FakeOpenAIServer) -> No
     assert server.received == []  # starlette's own 404: the route was never reached
 
 
+async def test_a_base_url_past_the_api_root_gets_the_root_as_the_hint(
+    server: FakeOpenAIServer,
+) -> None:
+    interface = make(f"{server.base_url}/models")
+    with trio.fail_after(PROMPT), pytest.raises(BadRequestError) as caught:
+        await interface.agenerate(ask(interface))
+    assert f"is base_url the API root, such as '{server.base_url}'?" in str(caught.value)
+
+
 async def test_a_404_under_v1_asks_whether_the_server_serves_the_endpoint(
     server: FakeOpenAIServer,
 ) -> None:

@@ -127,11 +127,30 @@ def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
             )
             raise ValueError(msg)
         normalized = url.rstrip("/")
+        _refuse_endpoint_url(normalized)
         if normalized in result:
             msg = f"base_url lists {_display_url(url)!r} twice; give each replica once"
             raise ValueError(msg)
         result.append(normalized)
     return tuple(result)
+
+
+def _refuse_endpoint_url(url: str) -> None:
+    """A base_url that is an endpoint's URL (``.../v1/chat/completions``), not the API root,
+    is refused with the root to give instead: accepting it would post to
+    ``.../chat/completions/chat/completions``, and quietly rewriting it would make the
+    URL in errors and statistics differ from the one given."""
+    path = httpx2.URL(url).path
+    for endpoint, suffix in (("chat", "/chat/completions"), ("completions", "/completions")):
+        if path.endswith(suffix):
+            root = _display_url(url.removesuffix(suffix))
+            with_endpoint = "" if endpoint == "chat" else ", endpoint='completions'"
+            msg = (
+                f"base_url {_display_url(url)!r} is the URL of an endpoint, not the API root: "
+                f"use base_url={root!r}{with_endpoint} (the client posts to "
+                f"base_url + {suffix!r} for endpoint={endpoint!r})"
+            )
+            raise ValueError(msg)
 
 
 def _display_url(url: str) -> str:
@@ -203,10 +222,28 @@ def _default_max_connections(self: Any) -> int:
     return given.max_connections if isinstance(given, Limits) else DEFAULT_MAX_CONNECTIONS
 
 
+#: Request fields that ``extra_body`` may not carry: the client sets them from the
+#: interface and the request, or cannot honour them; each with what to use instead.
+_FROM_THE_PROMPT = "the client sets it from the request's prompt (InferenceRequest.prompt)"
+_RESERVED_EXTRA_BODY = {
+    "model": "the client sets it: give it as OpenAIInference(model=...)",
+    "messages": _FROM_THE_PROMPT,
+    "prompt": _FROM_THE_PROMPT,
+    "tools": "the client sets it: give tools with the request (InferenceRequest(tools=...))",
+    "stream": "the client reads whole responses, it does not stream",
+    "n": "only the first choice is read: make one request per sample",
+}
+
+
 def _check_extra_body(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
         msg = f"extra_body must be a dict with str keys, got {value!r:.80}"
         raise TypeError(msg)
+    for key in value:
+        instead = _RESERVED_EXTRA_BODY.get(key)
+        if instead is not None:
+            msg = f"extra_body may not set {key!r}: {instead}"
+            raise ValueError(msg)
 
 
 def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -274,7 +311,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
       ``None`` reads ``OPENAI_API_KEY`` (no header when neither is set). It never
       appears in a repr, a log line or an error.
     - ``endpoint``: ``"chat"`` (``/chat/completions``) or ``"completions"``
-      (``/completions``, with the prompt rendered by ``render_prompt``; no tools).
+      (``/completions``, with the prompt rendered by ``render_prompt``; no tools). A
+      ``base_url`` that ends in either path is an endpoint's URL, not the API root: a
+      ``ValueError`` names the root to give.
     - ``max_connections``: connections to all replicas together (:data:`DEFAULT_MAX_CONNECTIONS`);
       requests beyond it queue. Or ``limits``: a :class:`Limits` (connections, idle ones
       kept, their expiry); :attr:`limits` is what is used. ``timeout``: a :class:`Timeout`
@@ -303,7 +342,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
       - ``False``: never sent.
     - ``extra_body``: more top-level JSON fields for every request (e.g.
       ``{"min_p": 0.05}``); they override the two options above but never the model, the
-      prompt, the tools or a set generation argument. They are explicit, never
+      prompt, the tools or a set generation argument. A key the client sets itself
+      (``model``, ``messages``, ``prompt``, ``tools``) or cannot honour (``stream``,
+      ``n``) is a ``ValueError`` saying what to use instead. They are explicit, never
       negotiated: a refusal naming one raises :class:`UnsupportedFieldError`, as does
       one naming a set generation argument.
 
@@ -883,10 +924,18 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     def _api_root_hint(self, index: int, path: str, message: str) -> str:
         """For a 404 or 405: a base_url without its API prefix, or not an API at all?"""
         root = self._shown_urls[index]
-        last_segment = httpx2.URL(self.base_url[index]).path.rstrip("/").rsplit("/", 1)[-1]
-        if not VERSION_SEGMENT.fullmatch(last_segment):
+        segments = httpx2.URL(self.base_url[index]).path.strip("/").split("/")
+        if not VERSION_SEGMENT.fullmatch(segments[-1]):
+            versions = [
+                i for i, segment in enumerate(segments) if VERSION_SEGMENT.fullmatch(segment)
+            ]
+            if versions:  # '.../v1/models': the root is the URL up to its version segment
+                cut = "/" + "/".join(segments[versions[-1] + 1 :])
+                suggested = root.removesuffix(cut)
+            else:
+                suggested = f"{root}/v1"
             return (
-                f" (is base_url the API root, such as '{root}/v1'? {root!r} does not end "
+                f" (is base_url the API root, such as '{suggested}'? {root!r} does not end "
                 "in a version segment)"
             )
         if "model" in message.lower():
