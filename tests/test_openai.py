@@ -44,6 +44,7 @@ from trio_rollouts.inference import (
     OpenAIInference,
     RateLimitError,
     RetryBackoff,
+    RetryReason,
     ReturnsLogProbs,
     ReturnsRaw,
     ServerError,
@@ -951,6 +952,81 @@ def test_sync_generate_works_twice_and_closes_each_client(
     assert first.response.content == second.response.content == "t: hello"
     assert len(clients) == 2
     assert all(_is_closed(client) for client in clients)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_statistics_count_every_sync_generate() -> None:
+    fake = FakeOpenAIServer(name="t")
+    with serving_in_thread(fake):
+        interface = make(fake.base_url)
+        interface.generate(ask(interface))  # a Trio run of its own
+        interface.generate(ask(interface))  # another
+    statistics = interface.statistics()  # outside any run
+    assert (statistics.attempts, statistics.in_flight) == ((2,), (0,))
+
+
+async def test_statistics_in_a_run_add_its_counts_to_those_of_ended_runs(
+    server: FakeOpenAIServer,
+) -> None:
+    interface = make(server.base_url)
+    await trio.to_thread.run_sync(interface.generate, ask(interface))  # a run that ended
+    with trio.fail_after(PROMPT):
+        await interface.agenerate(ask(interface))
+        assert interface.statistics().attempts == (2,)
+        await interface.aclose()  # this run's counts so far are kept
+        assert interface.statistics().attempts == (2,)
+        await interface.agenerate(ask(interface))
+    assert interface.statistics().attempts == (3,)
+
+
+def test_a_pickled_copy_counts_from_zero() -> None:
+    fake = FakeOpenAIServer(name="t")
+    with serving_in_thread(fake):
+        interface = make(fake.base_url)
+        interface.generate(ask(interface))
+    copy = pickle.loads(pickle.dumps(interface))
+    assert (interface.statistics().attempts, copy.statistics().attempts) == ((1,), (0,))
+
+
+async def test_statistics_say_how_many_requests_were_retried_and_why(
+    server: FakeOpenAIServer,
+) -> None:
+    busy = {"error": {"message": "the engine is busy"}}
+    server.reply(
+        Reply(status=503, json=busy),
+        Reply(status=503, json=busy),
+        Reply(),  # the first call succeeds at its third attempt
+        Reply(status=429, json={"error": {"message": "slow down"}}),
+        Reply(),  # the second at its second
+        Reply(),  # the third at once
+    )
+    interface = make(server.base_url, max_retries=3)
+    with trio.fail_after(PROMPT):
+        for _ in range(3):
+            await interface.agenerate(ask(interface))
+    statistics = interface.statistics()
+    assert (statistics.retries, statistics.retried_requests) == (3, 2)
+    # (hypercorn sends no reason phrase: "returned 503 : ...")
+    reasons = [(r.error, r.message.split(": ", 1)[-1], r.count) for r in statistics.retry_reasons]
+    assert reasons == [("ServerError", "the engine is busy", 2), ("RateLimitError", "slow down", 1)]
+    assert all(r.message.startswith("returned 5") for r in statistics.retry_reasons[:1])
+
+
+async def test_a_retry_reason_is_the_message_without_the_request() -> None:
+    url = closed_port_url()
+    interface = make(url, max_retries=2)
+    with trio.fail_after(PROMPT), pytest.raises(InferenceConnectionError):
+        await interface.agenerate(ask(interface))
+    host_port = url.removeprefix("http://").removesuffix("/v1")
+    assert interface.statistics().retry_reasons == (
+        RetryReason(
+            error="InferenceConnectionError",
+            message=f"connection refused: is a server listening on {host_port}?",
+            count=2,
+        ),
+    )
 
 
 def test_a_client_is_closed_when_its_trio_run_ends(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -64,6 +65,7 @@ __all__ = [
     "DEFAULT_MAX_RETRIES",
     "OpenAIInference",
     "OpenAIStatistics",
+    "RetryReason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,15 +89,36 @@ _SERVER_ONLY_MODES = _SERVER_MODES - _CLIENT_MODES
 
 
 @attrs.frozen(kw_only=True)
+class RetryReason:
+    """Why requests were retried: ``count`` retries followed an error of the class named
+    ``error`` (``"InferenceTimeoutError"``) whose message, without the request's method
+    and URL, is ``message`` (at most 200 characters: ``"timed out: http://10.0.0.7:8000
+    sent nothing for the read timeout of 600.0 s; ..."``)."""
+
+    error: str
+    message: str
+    count: int
+
+
+@attrs.frozen(kw_only=True)
 class OpenAIStatistics:
-    """Counters of one :class:`OpenAIInference` in the current Trio run, per replica
-    (in ``base_urls`` order, shown without credentials): requests on the wire now
-    (``in_flight``), requests sent (``attempts``, counting a request sent again without
-    a refused field), and retries made across all replicas (``retries``). Also what
-    negotiation learned, per replica, over the interface's life (not only this run):
-    the request fields that replica refused and that are no longer sent to it
-    (``dropped_fields``, sorted). And the calls of this run waiting for a weight
-    update's :meth:`~OpenAIInference.resume` (``held``)."""
+    """Counters of one :class:`OpenAIInference`, per replica (in ``base_urls`` order,
+    shown without credentials).
+
+    Counted over the interface's life, every Trio run together (each sync
+    :meth:`~OpenAIInference.generate` is a run of its own): requests sent (``attempts``,
+    counting a request sent again without a refused field), retries made across all
+    replicas (``retries``), the calls that were retried at least once
+    (``retried_requests``), and why (``retry_reasons``: one :class:`RetryReason` per error
+    class and message, most frequent first). A run's counts are added when it ends; while
+    it runs, :meth:`~OpenAIInference.statistics` called in it includes them, one called
+    in another thread does not yet. A pickled copy starts from zero.
+
+    Of the current run only: requests on the wire now (``in_flight``) and calls waiting
+    for a weight update's :meth:`~OpenAIInference.resume` (``held``). What negotiation
+    learned, per replica, over the interface's life: the request fields that replica
+    refused and that are no longer sent to it (``dropped_fields``, sorted).
+    """
 
     base_urls: tuple[str, ...]
     in_flight: tuple[int, ...]
@@ -103,6 +126,8 @@ class OpenAIStatistics:
     retries: int
     dropped_fields: tuple[tuple[str, ...], ...] = ()
     held: int = 0
+    retried_requests: int = 0
+    retry_reasons: tuple[RetryReason, ...] = ()
 
 
 def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -258,18 +283,82 @@ def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object)
 # --------------------------------------------------------------------------- per-run state
 
 
+#: Distinct retry reasons kept; later new ones are counted as one "other" reason.
+_MAX_RETRY_REASONS = 32
+_REASON_LENGTH = 200
+
+
+def _retry_reason(error: InferenceError) -> tuple[str, str]:
+    """``(class name, message without "POST <url> [failed: ]")`` of an error retried."""
+    message = str(error)
+    if error.url is not None:
+        _, found, rest = message.partition(f"{error.url} ")
+        if found:
+            message = rest.removeprefix("failed: ")
+    return type(error).__name__, message[:_REASON_LENGTH]
+
+
+class _Counts:
+    """Retries of one Trio run, or the counts of the runs that have ended (the interface's
+    totals: runs end in any thread, hence the lock)."""
+
+    def __init__(self, replicas: int) -> None:
+        self._lock = threading.Lock()
+        self.attempts = [0] * replicas
+        self.retries = 0
+        self.retried_requests = 0
+        self.reasons: dict[tuple[str, str], int] = {}
+
+    def count_retry(self, error: InferenceError, first: bool) -> None:
+        self.retries += 1
+        self.retried_requests += first
+        reason = _retry_reason(error)
+        if reason not in self.reasons and len(self.reasons) >= _MAX_RETRY_REASONS:
+            reason = (reason[0], "(other messages)")
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def add(self, attempts: Sequence[int], other: _Counts) -> None:
+        """Add a run's ``attempts`` and retries (thread-safe)."""
+        with self._lock:
+            self.attempts = [a + b for a, b in zip(self.attempts, attempts, strict=True)]
+            self.retries += other.retries
+            self.retried_requests += other.retried_requests
+            for reason, count in other.reasons.items():
+                self.reasons[reason] = self.reasons.get(reason, 0) + count
+
+    def copy(self) -> _Counts:
+        copy = _Counts(len(self.attempts))
+        with self._lock:
+            copy.add(self.attempts, self)
+        return copy
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"replicas": len(self.attempts)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["replicas"])  # type: ignore[misc]
+
+
 @attrs.define(eq=False)
 class _RunState:
-    """What one Trio run holds for one interface."""
+    """What one Trio run holds for one interface; its counts are added to ``totals`` when
+    the run ends (or aclose() closes it)."""
 
     transport: Transport
     in_flight: list[int]
     attempts: list[int]
     pause: PauseState
-    retries: int = 0
+    totals: _Counts
+    counts: _Counts
     next_replica: int = 0
     keeper_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: trio.Event = attrs.field(factory=trio.Event)
+    added: bool = False
+
+    def add_to_totals(self) -> None:
+        if not self.added:
+            self.added = True
+            self.totals.add(self.attempts, self.counts)
 
 
 async def _close_at_run_exit(state: _RunState) -> None:
@@ -278,6 +367,7 @@ async def _close_at_run_exit(state: _RunState) -> None:
         with state.keeper_scope:
             await trio.sleep_forever()
     finally:
+        state.add_to_totals()
         # Trio cancels system tasks once the main task has returned; the shield lets the
         # sockets close anyway, and the grace bound keeps a stuck close from hanging exit.
         with trio.move_on_after(_CLOSE_GRACE, shield=True):
@@ -431,6 +521,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         repr=False,
         factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference"),
     )
+    # The counts of the runs that have ended (statistics() adds the current run's).
+    _totals: _Counts = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(lambda self: _Counts(len(self.base_url)), takes_self=True),
+    )
     # What negotiation learned per replica: mutable, and deliberately not per run.
     _capabilities: Capabilities = attrs.field(
         init=False,
@@ -484,6 +580,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
                 in_flight=[0] * n,
                 attempts=[0] * n,
                 pause=self._pause_state(),
+                totals=self._totals,
+                counts=_Counts(n),
             )
             self._run_state.set(state)
             trio.lowlevel.spawn_system_task(
@@ -506,33 +604,40 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             await trio.lowlevel.checkpoint()
             return
         self._run_state.set(None)
+        state.add_to_totals()
         state.keeper_scope.cancel()
         await state.closed.wait()
 
     def statistics(self) -> OpenAIStatistics:
-        """Counters for the current Trio run (zeros outside a run and before its first
-        request; restarted by :meth:`aclose`), and the fields each replica refused."""
+        """Counters over the interface's life, every Trio run together (a sync
+        :meth:`generate` is a run of its own), plus the current run's so far; requests on
+        the wire and held calls of the current run; and the fields each replica refused.
+        See :class:`OpenAIStatistics`. Callable from any thread, in a run or not."""
         try:
             state = self._run_state.get(None)
         except RuntimeError:  # outside a Trio run
             state = None
         n = len(self.base_url)
         dropped = tuple(tuple(sorted(fields)) for fields in self._capabilities.dropped)
-        if state is None:
-            return OpenAIStatistics(
-                base_urls=self._shown_urls,
-                in_flight=(0,) * n,
-                attempts=(0,) * n,
-                retries=0,
-                dropped_fields=dropped,
-            )
+        counts = self._totals.copy()
+        in_flight, held = (0,) * n, 0
+        if state is not None:
+            in_flight, held = tuple(state.in_flight), state.pause.held
+            if not state.added:
+                counts.add(state.attempts, state.counts)
+        reasons = sorted(counts.reasons.items(), key=lambda item: (-item[1], item[0]))
         return OpenAIStatistics(
             base_urls=self._shown_urls,
-            in_flight=tuple(state.in_flight),
-            attempts=tuple(state.attempts),
-            retries=state.retries,
+            in_flight=in_flight,
+            attempts=tuple(counts.attempts),
+            retries=counts.retries,
             dropped_fields=dropped,
-            held=state.pause.held,
+            held=held,
+            retried_requests=counts.retried_requests,
+            retry_reasons=tuple(
+                RetryReason(error=error, message=message, count=count)
+                for (error, message), count in reasons
+            ),
         )
 
     # ----------------------------------------------------------------------- weight updates
@@ -723,8 +828,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     ) -> InferenceResponse:
         """One request and its retries (counted in the run's statistics)."""
 
-        def count_retry() -> None:
-            state.retries += 1
+        retried = False
+
+        def count_retry(error: InferenceError) -> None:
+            nonlocal retried
+            state.counts.count_retry(error, first=not retried)
+            retried = True
 
         return await call_with_retries(
             functools.partial(self._attempt, state, request, body, path),
