@@ -23,6 +23,7 @@ from _openai_server import (
     DEFAULT_LOGPROB,
     FakeOpenAIServer,
     Reply,
+    failures_of_concurrent_calls,
     serving,
     serving_in_thread,
 )
@@ -102,22 +103,6 @@ def closed_port_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}/v1"
-
-
-async def failures_of_concurrent_calls(interface: OpenAIInference, n: int) -> list[InferenceError]:
-    """The errors of ``n`` calls made at once, each of which must fail."""
-    errors: list[InferenceError] = []
-
-    async def one() -> None:
-        with pytest.raises(InferenceError) as caught:
-            await interface.agenerate(ask(interface))
-        errors.append(caught.value)
-
-    with trio.fail_after(PROMPT):
-        async with trio.open_nursery() as nursery:
-            for _ in range(n):
-                nursery.start_soon(one)
-    return errors
 
 
 # --------------------------------------------------------------------------- configuration
@@ -645,7 +630,7 @@ async def test_a_host_name_that_does_not_exist_is_final_and_named() -> None:
     resolver = ScriptedResolver().install()
     url = "http://no-such-host.invalid:8000/v1"
     interface = make(url, max_retries=3)
-    errors = await failures_of_concurrent_calls(interface, 512)  # the CLI's default
+    errors = await failures_of_concurrent_calls(interface, ask(interface), 512)  # the CLI's default
     assert interface.statistics().attempts == (512,)  # none retried
     assert {type(error) for error in errors} == {InferenceError}
     assert not isinstance(errors[0], TRANSIENT_ERRORS)
@@ -684,7 +669,7 @@ async def test_a_lookup_stuck_behind_busy_threads_is_not_read_as_a_timeout(
         timeout=Timeout(connect=0.2),
         max_retries=3,
     )
-    errors = await failures_of_concurrent_calls(interface, 4)
+    errors = await failures_of_concurrent_calls(interface, ask(interface), 4)
     assert {type(error) for error in errors} == {InferenceError}
     assert all("cannot resolve host 'no-such-host.invalid'" in str(e) for e in errors)
 

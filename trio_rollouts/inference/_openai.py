@@ -55,6 +55,7 @@ from ._interface import (
     ReturnsRaw,
     render_plain_chat,
 )
+from ._models import ServedModels, model_not_served
 from ._negotiation import NEGOTIABLE_FIELDS, Capabilities, named_fields, says_unknown
 from ._parse import Response, error_for_status, parse_completion, redact, server_message
 from ._pausable import Pausable, WeightUpdateMode
@@ -350,6 +351,7 @@ class _RunState:
     pause: PauseState
     totals: _Counts
     counts: _Counts
+    models: ServedModels = attrs.field(factory=ServedModels)
     next_replica: int = 0
     keeper_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: trio.Event = attrs.field(factory=trio.Event)
@@ -910,9 +912,40 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             said = server_message(response)
             refused = self._refused_negotiable(response, sent, said)
             if not refused:
-                raise self._status_error(request, response, index, path, sent, said)
+                error = self._status_error(request, response, index, path, sent, said)
+                if response.status_code == 404 and "model" in said[0].lower():
+                    error = await self._name_served_models(state, index, shown, response, error)
+                raise error
             # Each pass drops at least one field that was sent, so this loop ends.
             capabilities.drop(index, refused, self._shown_urls[index])
+
+    async def _name_served_models(
+        self,
+        state: _RunState,
+        index: int,
+        shown: str,
+        response: Response,
+        error: InferenceError,
+    ) -> InferenceError:
+        """For a 404 about the model: the error naming the models the replica serves
+        (``GET {base_url}/models``, once per run and replica), or ``error`` itself when
+        they cannot be had or include ``model``. The server's text stays in
+        ``server_message``."""
+        root = self._shown_urls[index]
+        served = await state.models.names(
+            state.transport, index, self.base_url[index] + "/models", root + "/models"
+        )
+        said = None if served is None else model_not_served(self.model, root, served)
+        if said is None:
+            return error
+        status = f"{response.status_code} {response.reason_phrase}".rstrip()
+        return type(error)(
+            f"POST {shown} returned {status}: {said}",
+            url=error.url,
+            status=error.status,
+            server_message=error.server_message,
+            retry_after=error.retry_after,
+        )
 
     def _options(self) -> dict[str, bool | None]:
         """Each negotiable field's option; a field given in ``extra_body`` is explicit."""

@@ -87,6 +87,11 @@ class Transport(Protocol):
         """
         ...
 
+    async def get(self, url: str, shown: str) -> Response:
+        """GET ``url``; errors and cancellation as :meth:`post`. For the rare reads of
+        an error path (the models a server serves), not the hot path."""
+        ...
+
     async def aclose(self) -> None:
         """Close every connection. Requests in flight fail with
         :class:`InferenceConnectionError`."""
@@ -128,6 +133,15 @@ class LeanTransport:
             return await self.pool.request("POST", url, headers=self._headers, content=content)
         except LeanHTTPError as exc:
             raise transport_error(exc, shown, self._timeout, self._api_key) from exc
+
+    async def get(self, url: str, shown: str) -> Response:
+        try:
+            return await self.pool.request(
+                "GET", url, headers=self._headers[:1] + self._headers[2:]
+            )
+        except LeanHTTPError as exc:
+            error = transport_error(exc, shown, self._timeout, self._api_key, method="GET")
+            raise error from exc
 
     async def aclose(self) -> None:
         await self.pool.aclose()
@@ -180,6 +194,20 @@ class HTTPXTransport:
                     error = transport_error(
                         lookup_error, shown, self._timeout, self._api_key, proxy=proxy
                     )
+            raise error from exc
+
+    async def get(self, url: str, shown: str) -> Response:
+        try:
+            await self._take_slot()
+            try:
+                return await self.client.get(url)
+            finally:
+                self._slots.release()
+        except httpx2.HTTPError as exc:
+            proxy = _proxy_for(url)
+            error = transport_error(
+                exc, shown, self._timeout, self._api_key, method="GET", proxy=proxy
+            )
             raise error from exc
 
     async def _look_up(self, url: str) -> OSError | None:
@@ -262,14 +290,14 @@ def transport_error(
     """
     if isinstance(exc, LeanTimeout):
         return InferenceTimeoutError(
-            f"POST {shown} timed out: {redact(str(exc), api_key)}", url=shown
+            f"{method} {shown} timed out: {redact(str(exc), api_key)}", url=shown
         )
     if isinstance(exc, httpx2.TimeoutException):
         phase: TimeoutPhase = next(
             (phase for cls, phase in _HTTPX_PHASES if isinstance(exc, cls)), "read"
         )
         limit = getattr(timeout, phase)
-        msg = f"POST {shown} timed out ({_describe(exc)}): {phase} took longer than "
+        msg = f"{method} {shown} timed out ({_describe(exc)}): {phase} took longer than "
         msg += timeout_advice(phase, limit)
         return InferenceTimeoutError(msg, url=shown)
     if isinstance(exc, (ConnectError, httpx2.ConnectError, OSError)):
