@@ -56,6 +56,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from trio_rollouts.inference import InferenceError, InferenceInterface, InferenceRequest
+
 #: Prompt-token log-probability the default reply reports for every generated token.
 DEFAULT_LOGPROB = -0.5
 
@@ -107,6 +109,14 @@ class FakeOpenAIServer:
     #: like ``transformers serve`` (422) or api.openai.com (400).
     unknown_fields: Literal["transformers", "openai"] | None = None
     known_fields: frozenset[str] = CORE_FIELDS
+    #: When set, the served models: ``GET /v1/models`` lists them, and a completion
+    #: request for another model gets vLLM's 404 (``The model `x` does not exist.``).
+    #: ``None``: no ``/v1/models`` route, and any model is served.
+    models: tuple[str, ...] | None = None
+    #: ``GET /v1/models`` requests received.
+    models_received: int = 0
+    #: When set, ``GET /v1/models`` answers with this status and no list.
+    models_status: int | None = None
     #: When set, every request waits for this event before it is answered.
     gate: trio.Event | None = None
     #: The control endpoints served (module docstring), and whether vLLM's are mounted.
@@ -156,6 +166,8 @@ class FakeOpenAIServer:
             Route("/v1/chat/completions", self._handle, methods=["POST"]),
             Route("/v1/completions", self._handle, methods=["POST"]),
         ]
+        if self.models is not None:
+            routes.append(Route("/v1/models", self._models, methods=["GET"]))
         if self.control == "vllm" and self.dev_mode:
             routes += [
                 Route("/pause", self._control, methods=["POST"]),
@@ -167,6 +179,13 @@ class FakeOpenAIServer:
                 for path in ("/pause_generation", "/continue_generation", "/update_weight_version")
             ]
         return Starlette(routes=routes)
+
+    async def _models(self, request: Request) -> Response:
+        self.models_received += 1
+        if self.models_status is not None:
+            return JSONResponse({"error": "unavailable"}, status_code=self.models_status)
+        data = [{"id": name, "object": "model", "owned_by": "vllm"} for name in self.models or ()]
+        return JSONResponse({"object": "list", "data": data})
 
     # ------------------------------------------------------------------ control endpoints
 
@@ -244,6 +263,10 @@ class FakeOpenAIServer:
             Received(path=request.url.path, headers=dict(request.headers), body=body)
         )
         self._notify()
+        if self.models is not None and body.get("model") not in self.models:
+            message = f"The model `{body.get('model')}` does not exist."
+            error = {"object": "error", "message": message, "type": "NotFoundError", "code": 404}
+            return JSONResponse(error, status_code=404)
         reply = self.script.popleft() if self.script else self.default
         chat = request.url.path.endswith("/chat/completions")
         if (
@@ -352,6 +375,28 @@ class FakeOpenAIServer:
         choice.update(reply.choice_extra)
         top.update(reply.top_extra)
         return {**top, "choices": [choice]}
+
+
+async def failures_of_concurrent_calls(
+    interface: InferenceInterface, request: InferenceRequest, n: int, within: float = 5.0
+) -> list[InferenceError]:
+    """The errors of ``n`` calls of ``request`` made at once, each of which must fail
+    with an :class:`InferenceError`, all within ``within`` seconds."""
+    errors: list[InferenceError] = []
+
+    async def one() -> None:
+        try:
+            await interface.agenerate(request)
+        except InferenceError as exc:
+            errors.append(exc)
+        else:
+            raise AssertionError("the call succeeded")
+
+    with trio.fail_after(within):
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+    return errors
 
 
 @asynccontextmanager

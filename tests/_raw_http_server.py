@@ -203,3 +203,50 @@ async def answer_forever(conn: RawConnection, make: Callable[[ReceivedRequest], 
     """Answer every request on ``conn`` with ``make(request)`` until the client closes."""
     while (request := await conn.receive_request()) is not None:
         await conn.send(make(request))
+
+
+@attrs.define(eq=False)
+class ScriptedResolver(trio.abc.HostnameResolver):
+    """Trio's name lookups for one test run, offline (``trio.socket.
+    set_custom_hostname_resolver``): each name in ``names`` resolves to its addresses, any
+    other name fails as a name that does not exist (``EAI_NONAME``; RFC 2606 reserves
+    ``.invalid`` for such names). ``calls`` counts lookups; while ``gate`` is set (an
+    unset event) each lookup waits for it; the first ``hang_first`` lookups never answer,
+    as a lookup queued behind busy resolver threads."""
+
+    names: dict[str, list[str]] = attrs.field(factory=dict)
+    gate: trio.Event | None = None
+    hang_first: int = 0
+    calls: int = 0
+
+    def install(self) -> ScriptedResolver:
+        trio.socket.set_custom_hostname_resolver(self)
+        return self
+
+    async def getaddrinfo(
+        self,
+        host: bytes | None,
+        port: bytes | str | int | None,
+        family: int = 0,
+        type: int = 0,
+        proto: int = 0,
+        flags: int = 0,
+    ) -> list[tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[str, int]]]:
+        self.calls += 1
+        if self.calls <= self.hang_first:
+            await trio.sleep_forever()
+        if self.gate is not None:
+            await self.gate.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        name = (host or b"").decode("ascii")
+        if name not in self.names:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        assert isinstance(port, int)
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port))
+            for address in self.names[name]
+        ]
+
+    async def getnameinfo(self, sockaddr: tuple[str, int], flags: int) -> tuple[str, str]:
+        raise NotImplementedError

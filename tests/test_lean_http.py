@@ -20,6 +20,7 @@ import trustme
 from _raw_http_server import (
     RawConnection,
     ReceivedRequest,
+    ScriptedResolver,
     answer_forever,
     raw_server,
     response,
@@ -839,6 +840,99 @@ async def test_connect_failure_from_the_opener_is_a_connect_error() -> None:
     with pytest.raises(ConnectError, match="No route to host"):
         await pool.request("GET", "http://example.invalid/")
     assert pool.statistics() == idle_stats(0)
+
+
+# --------------------------------------------------------------------------- name lookups
+
+
+async def test_concurrent_connects_to_a_host_share_one_lookup() -> None:
+    resolver = ScriptedResolver(names={"replica.test": ["127.0.0.1"]}, gate=trio.Event()).install()
+    pool = make_pool(64)
+    async with raw_server(echo_handler) as server, trio.open_nursery() as nursery:
+        url = f"http://replica.test:{server.port}/"
+        for _ in range(64):
+            nursery.start_soon(pool.request, "GET", url)
+        await trio.testing.wait_all_tasks_blocked()
+        resolver.gate.set()  # type: ignore[union-attr]
+    assert (resolver.calls, server.accepted) == (1, 64)
+
+
+async def test_a_name_that_does_not_exist_fails_every_waiting_connect_at_once() -> None:
+    resolver = ScriptedResolver(gate=trio.Event()).install()
+    pool = make_pool(32)
+    errors: list[ConnectError] = []
+
+    async def one() -> None:
+        with pytest.raises(ConnectError) as caught:
+            await pool.request("GET", "http://no-such-host.invalid:8000/")
+        errors.append(caught.value)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(32):
+            nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        resolver.gate.set()  # type: ignore[union-attr]
+    assert resolver.calls == 1
+    assert len({id(error.__cause__) for error in errors}) == 32  # one exception per task
+    assert all(isinstance(error.__cause__, socket.gaierror) for error in errors)
+    assert pool.statistics() == idle_stats(0)
+
+
+async def test_a_lookup_is_done_again_when_the_task_doing_it_is_cancelled() -> None:
+    resolver = ScriptedResolver(names={"replica.test": ["127.0.0.1"]}, hang_first=1).install()
+    pool = make_pool(2)
+    replies: list[int] = []
+    async with raw_server(echo_handler) as server, trio.open_nursery() as nursery:
+        url = f"http://replica.test:{server.port}/"
+        leader = trio.CancelScope()
+
+        async def lead() -> None:
+            with leader:
+                await pool.request("GET", url)
+
+        async def wait_for_the_lookup() -> None:
+            replies.append((await pool.request("GET", url)).status_code)
+
+        nursery.start_soon(lead)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(wait_for_the_lookup)
+        await trio.testing.wait_all_tasks_blocked()
+        assert resolver.calls == 1
+        leader.cancel()
+    assert (resolver.calls, replies) == (2, [200])
+    assert pool.statistics() == idle_stats(1)
+
+
+async def test_a_slow_lookup_is_a_connect_timeout_that_says_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    ScriptedResolver(hang_first=1).install()
+    pool = make_pool()
+    with pytest.raises(ConnectTimeout, match=r"looking up the host name 'slow\.invalid' took"):
+        await pool.request("GET", "http://slow.invalid:8000/")
+    assert pool.statistics() == idle_stats(0)
+    assert not pool._resolving
+
+
+async def test_the_next_address_is_tried_when_one_refuses() -> None:
+    # Nothing listens on 127.0.0.2 (loopback, refused at once); the server is on 127.0.0.1.
+    resolver = ScriptedResolver(names={"replica.test": ["127.0.0.2", "127.0.0.1"]}).install()
+    pool = make_pool()
+    async with raw_server(echo_handler) as server:
+        reply = await pool.request("GET", f"http://replica.test:{server.port}/")
+    assert reply.status_code == 200
+    assert resolver.calls == 1
+
+
+async def test_every_address_refusing_is_one_connect_error_without_a_group_repr() -> None:
+    ScriptedResolver(names={"replica.test": ["127.0.0.2", "127.0.0.3"]}).install()
+    pool = make_pool()
+    with pytest.raises(ConnectError) as caught:
+        await pool.request("GET", "http://replica.test:9/")
+    text = str(caught.value)
+    assert "Connection refused" in text
+    assert "ExceptionGroup" not in text
+    assert "sub-exception" not in text
 
 
 async def test_pool_timeout_when_every_connection_is_busy(

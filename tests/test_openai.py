@@ -23,9 +23,11 @@ from _openai_server import (
     DEFAULT_LOGPROB,
     FakeOpenAIServer,
     Reply,
+    failures_of_concurrent_calls,
     serving,
     serving_in_thread,
 )
+from _raw_http_server import ScriptedResolver
 
 from trio_rollouts import ChatMessage, GenerationArgs
 from trio_rollouts.inference import (
@@ -43,6 +45,7 @@ from trio_rollouts.inference import (
     OpenAIInference,
     RateLimitError,
     RetryBackoff,
+    RetryReason,
     ReturnsLogProbs,
     ReturnsRaw,
     ServerError,
@@ -190,6 +193,47 @@ def test_base_url_list_is_normalized() -> None:
 def test_base_url_must_be_http(url: str) -> None:
     with pytest.raises(ValueError, match="http"):
         make(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "advice"),
+    [
+        (
+            "http://10.0.0.7:8000/v1/chat/completions",
+            "use base_url='http://10.0.0.7:8000/v1' (the client posts to base_url + "
+            "'/chat/completions' for endpoint='chat')",
+        ),
+        (
+            "http://10.0.0.7:8000/v1/completions/",
+            "use base_url='http://10.0.0.7:8000/v1', endpoint='completions' (",
+        ),
+    ],
+)
+def test_an_endpoint_url_as_base_url_is_refused_with_the_root_to_give(
+    url: str, advice: str
+) -> None:
+    with pytest.raises(ValueError, match="is the URL of an endpoint, not the API root") as caught:
+        make(url)
+    assert advice in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "advice"),
+    [
+        ("model", "give it as OpenAIInference(model=...)"),
+        ("messages", "request's prompt"),
+        ("prompt", "request's prompt"),
+        ("tools", "InferenceRequest(tools=...)"),
+        ("stream", "does not stream"),
+        ("n", "one request per sample"),
+    ],
+)
+def test_extra_body_may_not_set_what_the_client_sets_or_cannot_honour(
+    key: str, advice: str
+) -> None:
+    with pytest.raises(ValueError, match=f"extra_body may not set '{key}'") as caught:
+        make("http://127.0.0.1:1/v1", extra_body={key: "x"})
+    assert advice in str(caught.value)
 
 
 def test_duplicate_replicas_are_refused() -> None:
@@ -570,6 +614,66 @@ async def test_connection_refused_is_retried_then_raised() -> None:
     assert url in str(caught.value)
 
 
+async def test_connection_refused_says_so_on_one_line() -> None:
+    url = closed_port_url()
+    interface = make(url, max_retries=0)
+    with trio.fail_after(PROMPT), pytest.raises(InferenceConnectionError) as caught:
+        await interface.agenerate(ask(interface))
+    host_port = url.removeprefix("http://").removesuffix("/v1")
+    assert str(caught.value) == (
+        f"POST {url}/chat/completions failed: connection refused: is a server listening on "
+        f"{host_port}?"
+    )
+
+
+async def test_a_host_name_that_does_not_exist_is_final_and_named() -> None:
+    resolver = ScriptedResolver().install()
+    url = "http://no-such-host.invalid:8000/v1"
+    interface = make(url, max_retries=3)
+    errors = await failures_of_concurrent_calls(interface, ask(interface), 512)  # the CLI's default
+    assert interface.statistics().attempts == (512,)  # none retried
+    assert {type(error) for error in errors} == {InferenceError}
+    assert not isinstance(errors[0], TRANSIENT_ERRORS)
+    assert str(errors[0]) == (
+        f"POST {url}/chat/completions failed: cannot resolve host 'no-such-host.invalid' "
+        "(Name or service not known): check the host name"
+    )
+    if interface.uses_lean_transport:  # connects share lookups: a few, not one per request
+        assert resolver.calls < 10
+
+
+async def test_a_temporary_lookup_failure_stays_transient() -> None:
+    class TryAgain(ScriptedResolver):
+        async def getaddrinfo(self, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            await trio.lowlevel.checkpoint()
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    TryAgain().install()
+    interface = make("http://flaky.invalid:8000/v1", max_retries=1)
+    with trio.fail_after(PROMPT), pytest.raises(InferenceConnectionError) as caught:
+        await interface.agenerate(ask(interface))
+    assert "cannot resolve host 'flaky.invalid' (Temporary failure" in str(caught.value)
+    assert interface.statistics().attempts == (2,)
+
+
+async def test_a_lookup_stuck_behind_busy_threads_is_not_read_as_a_timeout(
+    transport: str,
+) -> None:
+    # The first lookups never answer, as when they queue behind Trio's busy resolver
+    # threads; a name that does not exist must still come out as such, not as timeouts.
+    ScriptedResolver(hang_first=4 if transport == "httpx2" else 1).install()
+    interface = make(
+        "http://no-such-host.invalid:8000/v1",
+        max_connections=4,
+        timeout=Timeout(connect=0.2),
+        max_retries=3,
+    )
+    errors = await failures_of_concurrent_calls(interface, ask(interface), 4)
+    assert {type(error) for error in errors} == {InferenceError}
+    assert all("cannot resolve host 'no-such-host.invalid'" in str(e) for e in errors)
+
+
 async def test_slow_server_raises_timeout_error(server: FakeOpenAIServer) -> None:
     server.default = Reply(delay=10.0)
     interface = make(server.base_url, timeout=httpx2.Timeout(0.2), max_retries=1)
@@ -833,6 +937,81 @@ def test_sync_generate_works_twice_and_closes_each_client(
     assert first.response.content == second.response.content == "t: hello"
     assert len(clients) == 2
     assert all(_is_closed(client) for client in clients)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_statistics_count_every_sync_generate() -> None:
+    fake = FakeOpenAIServer(name="t")
+    with serving_in_thread(fake):
+        interface = make(fake.base_url)
+        interface.generate(ask(interface))  # a Trio run of its own
+        interface.generate(ask(interface))  # another
+    statistics = interface.statistics()  # outside any run
+    assert (statistics.attempts, statistics.in_flight) == ((2,), (0,))
+
+
+async def test_statistics_in_a_run_add_its_counts_to_those_of_ended_runs(
+    server: FakeOpenAIServer,
+) -> None:
+    interface = make(server.base_url)
+    await trio.to_thread.run_sync(interface.generate, ask(interface))  # a run that ended
+    with trio.fail_after(PROMPT):
+        await interface.agenerate(ask(interface))
+        assert interface.statistics().attempts == (2,)
+        await interface.aclose()  # this run's counts so far are kept
+        assert interface.statistics().attempts == (2,)
+        await interface.agenerate(ask(interface))
+    assert interface.statistics().attempts == (3,)
+
+
+def test_a_pickled_copy_counts_from_zero() -> None:
+    fake = FakeOpenAIServer(name="t")
+    with serving_in_thread(fake):
+        interface = make(fake.base_url)
+        interface.generate(ask(interface))
+    copy = pickle.loads(pickle.dumps(interface))
+    assert (interface.statistics().attempts, copy.statistics().attempts) == ((1,), (0,))
+
+
+async def test_statistics_say_how_many_requests_were_retried_and_why(
+    server: FakeOpenAIServer,
+) -> None:
+    busy = {"error": {"message": "the engine is busy"}}
+    server.reply(
+        Reply(status=503, json=busy),
+        Reply(status=503, json=busy),
+        Reply(),  # the first call succeeds at its third attempt
+        Reply(status=429, json={"error": {"message": "slow down"}}),
+        Reply(),  # the second at its second
+        Reply(),  # the third at once
+    )
+    interface = make(server.base_url, max_retries=3)
+    with trio.fail_after(PROMPT):
+        for _ in range(3):
+            await interface.agenerate(ask(interface))
+    statistics = interface.statistics()
+    assert (statistics.retries, statistics.retried_requests) == (3, 2)
+    # (hypercorn sends no reason phrase: "returned 503 : ...")
+    reasons = [(r.error, r.message.split(": ", 1)[-1], r.count) for r in statistics.retry_reasons]
+    assert reasons == [("ServerError", "the engine is busy", 2), ("RateLimitError", "slow down", 1)]
+    assert all(r.message.startswith("returned 5") for r in statistics.retry_reasons[:1])
+
+
+async def test_a_retry_reason_is_the_message_without_the_request() -> None:
+    url = closed_port_url()
+    interface = make(url, max_retries=2)
+    with trio.fail_after(PROMPT), pytest.raises(InferenceConnectionError):
+        await interface.agenerate(ask(interface))
+    host_port = url.removeprefix("http://").removesuffix("/v1")
+    assert interface.statistics().retry_reasons == (
+        RetryReason(
+            error="InferenceConnectionError",
+            message=f"connection refused: is a server listening on {host_port}?",
+            count=2,
+        ),
+    )
 
 
 def test_a_client_is_closed_when_its_trio_run_ends(

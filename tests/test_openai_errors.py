@@ -7,9 +7,18 @@ import pickle
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import pytest
 import trio
-from _openai_server import CORE_FIELDS, FakeOpenAIServer, Reply, serving
+import trio.testing
+from _openai_server import (
+    CORE_FIELDS,
+    FakeOpenAIServer,
+    Reply,
+    failures_of_concurrent_calls,
+    serving,
+)
+from _raw_http_server import RawConnection, raw_server, response
 
 from trio_rollouts import GenerationArgs
 from trio_rollouts.inference import (
@@ -67,6 +76,15 @@ async def test_a_base_url_without_v1_gets_a_hint(server: FakeOpenAIServer) -> No
     assert server.received == []  # starlette's own 404: the route was never reached
 
 
+async def test_a_base_url_past_the_api_root_gets_the_root_as_the_hint(
+    server: FakeOpenAIServer,
+) -> None:
+    interface = make(f"{server.base_url}/models")
+    with trio.fail_after(PROMPT), pytest.raises(BadRequestError) as caught:
+        await interface.agenerate(ask(interface))
+    assert f"is base_url the API root, such as '{server.base_url}'?" in str(caught.value)
+
+
 async def test_a_404_under_v1_asks_whether_the_server_serves_the_endpoint(
     server: FakeOpenAIServer,
 ) -> None:
@@ -84,6 +102,53 @@ async def test_an_unknown_model_404_gets_no_base_url_hint(server: FakeOpenAIServ
     with trio.fail_after(PROMPT), pytest.raises(BadRequestError) as caught:
         await interface.agenerate(ask(interface))
     assert str(caught.value).endswith(message)
+
+
+async def test_a_model_that_is_not_served_is_named_with_the_models_served() -> None:
+    fake = FakeOpenAIServer(name="a", models=("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"))
+    async with serving(fake):
+        interface = make(fake.base_url, model="qwen3-8b", max_retries=3)
+        errors = await failures_of_concurrent_calls(interface, ask(interface), 20)
+        assert {type(error) for error in errors} == {BadRequestError}
+        with trio.fail_after(PROMPT):
+            served = attrs.evolve(interface, model="Qwen/Qwen3-8B")
+            await served.agenerate(ask(served))
+    assert str(errors[0]) == (
+        f"POST {fake.base_url}/chat/completions returned 404: model 'qwen3-8b' is not served "
+        f"by {fake.base_url}; it serves: 'Qwen/Qwen3-8B', 'Qwen/Qwen3-0.6B'"
+    )
+    assert errors[0].server_message == "The model `qwen3-8b` does not exist."
+    assert fake.models_received == 1  # asked once for the run, not per failed request
+    assert len(fake.received) == 21  # a wrong model is not retried
+
+
+@pytest.mark.parametrize("models_status", [500, 404])
+async def test_a_failing_models_list_leaves_the_servers_message(models_status: int) -> None:
+    fake = FakeOpenAIServer(name="a", models=("Qwen/Qwen3-8B",), models_status=models_status)
+    async with serving(fake):
+        interface = make(fake.base_url, model="qwen3-8b")
+        with trio.fail_after(PROMPT), pytest.raises(BadRequestError) as caught:
+            await interface.agenerate(ask(interface))
+    assert str(caught.value).endswith(": The model `qwen3-8b` does not exist.")
+    assert fake.models_received == 1
+
+
+async def test_a_models_list_that_does_not_answer_leaves_the_servers_message(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # /models is a raw server that never answers: the error waits for it MODELS_TIMEOUT.
+    async def handler(conn: RawConnection) -> None:
+        while (request := await conn.receive_request()) is not None:
+            if request.method == "GET":
+                await trio.sleep_forever()
+            body = b'{"error": {"message": "The model `x` does not exist."}}'
+            await conn.send(response(body, status=404, reason=b"Not Found"))
+
+    async with raw_server(handler) as server:
+        interface = make(server.url("/v1").rstrip("/"), model="x", transport="lean")
+        with pytest.raises(BadRequestError) as caught:
+            await interface.agenerate(ask(interface))
+    assert str(caught.value).endswith(": The model `x` does not exist.")
 
 
 async def test_a_405_gets_a_hint(server: FakeOpenAIServer) -> None:

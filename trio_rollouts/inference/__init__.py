@@ -30,6 +30,7 @@ from ._interface import render_plain_chat as render_plain_chat
 from ._openai import DEFAULT_MAX_RETRIES as DEFAULT_MAX_RETRIES
 from ._openai import OpenAIInference as OpenAIInference
 from ._openai import OpenAIStatistics as OpenAIStatistics
+from ._openai import RetryReason as RetryReason
 from ._pausable import WEIGHT_UPDATE_MODES as WEIGHT_UPDATE_MODES
 from ._pausable import Pausable as Pausable
 from ._pausable import WeightUpdateError as WeightUpdateError

@@ -27,8 +27,9 @@ adds is the pool and what a pool must guarantee:
    set, no scan over the pool's connections.
 
 Timeouts are the library's :class:`~trio_rollouts.inference.Timeout`, with httpx's meaning:
-``connect`` covers TCP connect and TLS handshake, ``write`` each ``send_all``, ``read`` the
-time without a byte from the server, ``pool`` the wait for a slot. Not done here (use
+``connect`` covers the host name's lookup, TCP connect and TLS handshake, ``write`` each
+``send_all``, ``read`` the time without a byte from the server, ``pool`` the wait for a
+slot. Not done here (use
 httpx2 for them): proxies, HTTP/2, streaming bodies, redirects, cookies, compression.
 
 Response parsing
@@ -52,6 +53,7 @@ start of the next, and a connection whose response did not complete cleanly is c
 from __future__ import annotations
 
 import codecs
+import ipaddress
 import json
 import math
 import ssl
@@ -80,6 +82,7 @@ __all__ = [
     "LeanHeaders",
     "LeanResponse",
     "LeanTimeout",
+    "NameLookups",
     "NetworkError",
     "PoolStatistics",
     "PoolTimeout",
@@ -492,7 +495,10 @@ class ConnectionPool:
         self._ssl_context = ssl_context
         self._user_agent = user_agent.encode("ascii")
         # Tests inject an opener to simulate slow or failing connects (only loopback is real).
-        self._open_stream: OpenStream = _open_stream or trio.open_tcp_stream
+        self._open_stream: OpenStream = _open_stream or self._open_tcp
+        self._lookups = NameLookups()
+        # Tasks inside a name lookup: a connect timeout there says so (see _open_tcp).
+        self._resolving: set[trio.lowlevel.Task] = set()
         if _parser is None:
             _parser = _PARSER
         if _parser not in ("llhttp", "h11") or (_parser == "llhttp" and not _HAVE_LLHTTP):
@@ -615,6 +621,8 @@ class ConnectionPool:
         except BaseException:
             if conn is not None:
                 self._discard(conn)
+            if self._resolving:
+                self._resolving.discard(trio.lowlevel.current_task())
             self._release(None)
             raise
         self._release(conn)
@@ -807,6 +815,11 @@ class ConnectionPool:
         timeouts = self._timeouts
         if conn is None:
             advice = timeout_advice("connect", timeouts.connect)
+            task = trio.lowlevel.current_task()
+            if task in self._resolving:
+                self._resolving.discard(task)
+                msg = f"looking up the host name {origin.host!r} took longer than {advice}"
+                return ConnectTimeout(msg)
             return ConnectTimeout(f"connecting to {origin} took longer than {advice}")
         if conn.phase == _WRITE:
             advice = timeout_advice("write", timeouts.write)
@@ -935,6 +948,27 @@ class ConnectionPool:
         self._connections.add(conn)
         return conn
 
+    async def _open_tcp(self, host: str, port: int) -> trio.SocketStream:
+        """``trio.open_tcp_stream``, with one name lookup per host at a time.
+
+        Concurrent connects to a host share one lookup (:class:`NameLookups`), so a name
+        that does not resolve fails them all at once rather than reading as connect
+        timeouts; then the addresses are tried as ``open_tcp_stream`` does: in order, the
+        next one started when one fails or has not connected after 250 ms.
+        """
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        else:  # an address: nothing to look up, no thread
+            return await trio.open_tcp_stream(host, port)
+        task = trio.lowlevel.current_task()
+        self._resolving.add(task)
+        # If this is cancelled, the mark stays: request() reads and clears it.
+        addresses = await self._lookups.addresses(host, port)
+        self._resolving.discard(task)
+        return await _connect_first(addresses, host, port)
+
     def _tls_context(self) -> ssl.SSLContext:
         if self._ssl_context is None:
             context = ssl.create_default_context()
@@ -1039,6 +1073,111 @@ class ConnectionPool:
                 self._grants[task] = got
 
 
+class NameLookups:
+    """Host name lookups, one at a time per host and port: concurrent callers share the
+    lookup under way (and its failure). Nothing is kept after a lookup ends, so a name
+    that changes its addresses is seen at the next connect.
+
+    Trio looks a name up in a worker thread, and at most 40 such threads run at once (its
+    default limiter): hundreds of concurrent connects to one host, each looking it up,
+    would queue for a thread past their connect timeout.
+    """
+
+    def __init__(self) -> None:
+        self._under_way: dict[tuple[str, int], _Lookup] = {}
+
+    async def addresses(self, host: str, port: int) -> list[str]:
+        """The addresses of ``host`` (RFC 6555 order), or ``socket.gaierror`` (an
+        ``OSError``) raised in every task that waited for the failed lookup.
+
+        Cancellation: cancellable; if the task doing the lookup is cancelled, a task that
+        waited for it does it again.
+        """
+        key = (host, port)
+        while (lookup := self._under_way.get(key)) is not None:
+            await lookup.done.wait()
+            if lookup.addresses is not None:
+                return lookup.addresses
+            if lookup.error is not None:
+                # A new exception per task: one raised in several tasks gets tangled.
+                raise type(lookup.error)(*lookup.error.args)
+        lookup = self._under_way[key] = _Lookup()
+        try:
+            found = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+            lookup.addresses = _ordered_addresses(found)
+            return lookup.addresses
+        except OSError as exc:
+            lookup.error = exc
+            raise
+        finally:
+            del self._under_way[key]
+            lookup.done.set()
+
+
+@attrs.define(eq=False)
+class _Lookup:
+    """A name lookup under way, shared by the connects that wait for it."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    addresses: list[str] | None = None
+    error: OSError | None = None
+
+
+#: Seconds before the next address is tried while a connect attempt is pending (RFC 6555,
+#: trio.open_tcp_stream's default).
+_HAPPY_EYEBALLS_DELAY: Final = 0.25
+
+
+def _ordered_addresses(found: Sequence[tuple[Any, ...]]) -> list[str]:
+    """The distinct addresses of a lookup, in its order, except that the first address of
+    the other family is moved second (RFC 6555 section 5.4, as trio does)."""
+    addresses: list[str] = []
+    families: list[int] = []
+    for family, _, _, _, sockaddr in found:
+        if sockaddr[0] not in addresses:
+            addresses.append(str(sockaddr[0]))
+            families.append(family)
+    other = next((i for i, family in enumerate(families) if family != families[0]), None)
+    if other is not None and other > 1:
+        addresses.insert(1, addresses.pop(other))
+    return addresses
+
+
+async def _connect_first(addresses: list[str], host: str, port: int) -> trio.SocketStream:
+    """A connection to the first of ``addresses`` that accepts, trying the next when one
+    fails or is still pending after ``_HAPPY_EYEBALLS_DELAY``. Raises ``OSError`` (from an
+    ``ExceptionGroup`` of each failure) when none accepts, as ``trio.open_tcp_stream`` does."""
+    if len(addresses) == 1:
+        return await trio.open_tcp_stream(addresses[0], port)
+    winner: trio.SocketStream | None = None
+    errors: list[OSError] = []
+
+    async def attempt(address: str, failed: trio.Event) -> None:
+        nonlocal winner
+        try:
+            stream = await trio.open_tcp_stream(address, port)
+        except OSError as exc:
+            errors.append(exc)
+            failed.set()
+            return
+        if winner is None:
+            winner = stream
+            nursery.cancel_scope.cancel()
+        else:  # another attempt connected at the same instant
+            stream.socket.close()
+
+    async with trio.open_nursery() as nursery:
+        for address in addresses:
+            failed = trio.Event()
+            nursery.start_soon(attempt, address, failed)
+            with trio.move_on_after(_HAPPY_EYEBALLS_DELAY):
+                await failed.wait()
+    if winner is None:
+        msg = f"all attempts to connect to {host}:{port} failed"
+        raise OSError(msg) from ExceptionGroup(msg, errors)
+    return winner
+
+
 def _move_deadline(scope: trio.CancelScope, seconds: float) -> None:
     """Set ``scope``'s deadline ``seconds`` from now, unless it is there already (within
     _DEADLINE_SLACK)."""
@@ -1048,9 +1187,26 @@ def _move_deadline(scope: trio.CancelScope, seconds: float) -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    """The exception and its cause, e.g. ``BrokenResourceError: ConnectionResetError(104...)``."""
+    """The exception and its cause, e.g. ``BrokenResourceError: ConnectionResetError(104...)``;
+    an exception group as its leaves (``all attempts to connect to ... failed: [Errno 111]
+    Connection refused``), never its repr."""
     cause = exc.__cause__ or exc.__context__
     text = str(exc) or type(exc).__name__
-    if cause is not None and str(cause) not in text:
+    if isinstance(cause, BaseExceptionGroup):
+        leaves = dict.fromkeys(str(leaf) or type(leaf).__name__ for leaf in _leaves(cause))
+        text = f"{text}: {'; '.join(leaves)}"
+    elif cause is not None and str(cause) not in text:
         text = f"{text} ({type(cause).__name__}: {cause})"
     return text
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    """The group's leaves; a leaf raised from a group (trio's connect error per address)
+    stands for that group's leaves."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        elif isinstance(exc.__cause__, BaseExceptionGroup):
+            yield from _leaves(exc.__cause__)
+        else:
+            yield exc

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -54,6 +55,7 @@ from ._interface import (
     ReturnsRaw,
     render_plain_chat,
 )
+from ._models import ServedModels, model_not_served
 from ._negotiation import NEGOTIABLE_FIELDS, Capabilities, named_fields, says_unknown
 from ._parse import Response, error_for_status, parse_completion, redact, server_message
 from ._pausable import Pausable, WeightUpdateMode
@@ -64,6 +66,7 @@ __all__ = [
     "DEFAULT_MAX_RETRIES",
     "OpenAIInference",
     "OpenAIStatistics",
+    "RetryReason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,15 +90,36 @@ _SERVER_ONLY_MODES = _SERVER_MODES - _CLIENT_MODES
 
 
 @attrs.frozen(kw_only=True)
+class RetryReason:
+    """Why requests were retried: ``count`` retries followed an error of the class named
+    ``error`` (``"InferenceTimeoutError"``) whose message, without the request's method
+    and URL, is ``message`` (at most 200 characters: ``"timed out: http://10.0.0.7:8000
+    sent nothing for the read timeout of 600.0 s; ..."``)."""
+
+    error: str
+    message: str
+    count: int
+
+
+@attrs.frozen(kw_only=True)
 class OpenAIStatistics:
-    """Counters of one :class:`OpenAIInference` in the current Trio run, per replica
-    (in ``base_urls`` order, shown without credentials): requests on the wire now
-    (``in_flight``), requests sent (``attempts``, counting a request sent again without
-    a refused field), and retries made across all replicas (``retries``). Also what
-    negotiation learned, per replica, over the interface's life (not only this run):
-    the request fields that replica refused and that are no longer sent to it
-    (``dropped_fields``, sorted). And the calls of this run waiting for a weight
-    update's :meth:`~OpenAIInference.resume` (``held``)."""
+    """Counters of one :class:`OpenAIInference`, per replica (in ``base_urls`` order,
+    shown without credentials).
+
+    Counted over the interface's life, every Trio run together (each sync
+    :meth:`~OpenAIInference.generate` is a run of its own): requests sent (``attempts``,
+    counting a request sent again without a refused field), retries made across all
+    replicas (``retries``), the calls that were retried at least once
+    (``retried_requests``), and why (``retry_reasons``: one :class:`RetryReason` per error
+    class and message, most frequent first). A run's counts are added when it ends; while
+    it runs, :meth:`~OpenAIInference.statistics` called in it includes them, one called
+    in another thread does not yet. A pickled copy starts from zero.
+
+    Of the current run only: requests on the wire now (``in_flight``) and calls waiting
+    for a weight update's :meth:`~OpenAIInference.resume` (``held``). What negotiation
+    learned, per replica, over the interface's life: the request fields that replica
+    refused and that are no longer sent to it (``dropped_fields``, sorted).
+    """
 
     base_urls: tuple[str, ...]
     in_flight: tuple[int, ...]
@@ -103,6 +127,8 @@ class OpenAIStatistics:
     retries: int
     dropped_fields: tuple[tuple[str, ...], ...] = ()
     held: int = 0
+    retried_requests: int = 0
+    retry_reasons: tuple[RetryReason, ...] = ()
 
 
 def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -127,11 +153,30 @@ def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
             )
             raise ValueError(msg)
         normalized = url.rstrip("/")
+        _refuse_endpoint_url(normalized)
         if normalized in result:
             msg = f"base_url lists {_display_url(url)!r} twice; give each replica once"
             raise ValueError(msg)
         result.append(normalized)
     return tuple(result)
+
+
+def _refuse_endpoint_url(url: str) -> None:
+    """A base_url that is an endpoint's URL (``.../v1/chat/completions``), not the API root,
+    is refused with the root to give instead: accepting it would post to
+    ``.../chat/completions/chat/completions``, and quietly rewriting it would make the
+    URL in errors and statistics differ from the one given."""
+    path = httpx2.URL(url).path
+    for endpoint, suffix in (("chat", "/chat/completions"), ("completions", "/completions")):
+        if path.endswith(suffix):
+            root = _display_url(url.removesuffix(suffix))
+            with_endpoint = "" if endpoint == "chat" else ", endpoint='completions'"
+            msg = (
+                f"base_url {_display_url(url)!r} is the URL of an endpoint, not the API root: "
+                f"use base_url={root!r}{with_endpoint} (the client posts to "
+                f"base_url + {suffix!r} for endpoint={endpoint!r})"
+            )
+            raise ValueError(msg)
 
 
 def _display_url(url: str) -> str:
@@ -203,10 +248,28 @@ def _default_max_connections(self: Any) -> int:
     return given.max_connections if isinstance(given, Limits) else DEFAULT_MAX_CONNECTIONS
 
 
+#: Request fields that ``extra_body`` may not carry: the client sets them from the
+#: interface and the request, or cannot honour them; each with what to use instead.
+_FROM_THE_PROMPT = "the client sets it from the request's prompt (InferenceRequest.prompt)"
+_RESERVED_EXTRA_BODY = {
+    "model": "the client sets it: give it as OpenAIInference(model=...)",
+    "messages": _FROM_THE_PROMPT,
+    "prompt": _FROM_THE_PROMPT,
+    "tools": "the client sets it: give tools with the request (InferenceRequest(tools=...))",
+    "stream": "the client reads whole responses, it does not stream",
+    "n": "only the first choice is read: make one request per sample",
+}
+
+
 def _check_extra_body(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
         msg = f"extra_body must be a dict with str keys, got {value!r:.80}"
         raise TypeError(msg)
+    for key in value:
+        instead = _RESERVED_EXTRA_BODY.get(key)
+        if instead is not None:
+            msg = f"extra_body may not set {key!r}: {instead}"
+            raise ValueError(msg)
 
 
 def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -221,18 +284,83 @@ def _check_ask(instance: object, attribute: attrs.Attribute[Any], value: object)
 # --------------------------------------------------------------------------- per-run state
 
 
+#: Distinct retry reasons kept; later new ones are counted as one "other" reason.
+_MAX_RETRY_REASONS = 32
+_REASON_LENGTH = 200
+
+
+def _retry_reason(error: InferenceError) -> tuple[str, str]:
+    """``(class name, message without "POST <url> [failed: ]")`` of an error retried."""
+    message = str(error)
+    if error.url is not None:
+        _, found, rest = message.partition(f"{error.url} ")
+        if found:
+            message = rest.removeprefix("failed: ")
+    return type(error).__name__, message[:_REASON_LENGTH]
+
+
+class _Counts:
+    """Retries of one Trio run, or the counts of the runs that have ended (the interface's
+    totals: runs end in any thread, hence the lock)."""
+
+    def __init__(self, replicas: int) -> None:
+        self._lock = threading.Lock()
+        self.attempts = [0] * replicas
+        self.retries = 0
+        self.retried_requests = 0
+        self.reasons: dict[tuple[str, str], int] = {}
+
+    def count_retry(self, error: InferenceError, first: bool) -> None:
+        self.retries += 1
+        self.retried_requests += first
+        reason = _retry_reason(error)
+        if reason not in self.reasons and len(self.reasons) >= _MAX_RETRY_REASONS:
+            reason = (reason[0], "(other messages)")
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def add(self, attempts: Sequence[int], other: _Counts) -> None:
+        """Add a run's ``attempts`` and retries (thread-safe)."""
+        with self._lock:
+            self.attempts = [a + b for a, b in zip(self.attempts, attempts, strict=True)]
+            self.retries += other.retries
+            self.retried_requests += other.retried_requests
+            for reason, count in other.reasons.items():
+                self.reasons[reason] = self.reasons.get(reason, 0) + count
+
+    def copy(self) -> _Counts:
+        copy = _Counts(len(self.attempts))
+        with self._lock:
+            copy.add(self.attempts, self)
+        return copy
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"replicas": len(self.attempts)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["replicas"])  # type: ignore[misc]
+
+
 @attrs.define(eq=False)
 class _RunState:
-    """What one Trio run holds for one interface."""
+    """What one Trio run holds for one interface; its counts are added to ``totals`` when
+    the run ends (or aclose() closes it)."""
 
     transport: Transport
     in_flight: list[int]
     attempts: list[int]
     pause: PauseState
-    retries: int = 0
+    totals: _Counts
+    counts: _Counts
+    models: ServedModels = attrs.field(factory=ServedModels)
     next_replica: int = 0
     keeper_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: trio.Event = attrs.field(factory=trio.Event)
+    added: bool = False
+
+    def add_to_totals(self) -> None:
+        if not self.added:
+            self.added = True
+            self.totals.add(self.attempts, self.counts)
 
 
 async def _close_at_run_exit(state: _RunState) -> None:
@@ -241,6 +369,7 @@ async def _close_at_run_exit(state: _RunState) -> None:
         with state.keeper_scope:
             await trio.sleep_forever()
     finally:
+        state.add_to_totals()
         # Trio cancels system tasks once the main task has returned; the shield lets the
         # sockets close anyway, and the grace bound keeps a stuck close from hanging exit.
         with trio.move_on_after(_CLOSE_GRACE, shield=True):
@@ -274,7 +403,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
       ``None`` reads ``OPENAI_API_KEY`` (no header when neither is set). It never
       appears in a repr, a log line or an error.
     - ``endpoint``: ``"chat"`` (``/chat/completions``) or ``"completions"``
-      (``/completions``, with the prompt rendered by ``render_prompt``; no tools).
+      (``/completions``, with the prompt rendered by ``render_prompt``; no tools). A
+      ``base_url`` that ends in either path is an endpoint's URL, not the API root: a
+      ``ValueError`` names the root to give.
     - ``max_connections``: connections to all replicas together (:data:`DEFAULT_MAX_CONNECTIONS`);
       requests beyond it queue. Or ``limits``: a :class:`Limits` (connections, idle ones
       kept, their expiry); :attr:`limits` is what is used. ``timeout``: a :class:`Timeout`
@@ -303,7 +434,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
       - ``False``: never sent.
     - ``extra_body``: more top-level JSON fields for every request (e.g.
       ``{"min_p": 0.05}``); they override the two options above but never the model, the
-      prompt, the tools or a set generation argument. They are explicit, never
+      prompt, the tools or a set generation argument. A key the client sets itself
+      (``model``, ``messages``, ``prompt``, ``tools``) or cannot honour (``stream``,
+      ``n``) is a ``ValueError`` saying what to use instead. They are explicit, never
       negotiated: a refusal naming one raises :class:`UnsupportedFieldError`, as does
       one naming a set generation argument.
 
@@ -390,6 +523,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         repr=False,
         factory=lambda: trio.lowlevel.RunVar("trio_rollouts.OpenAIInference"),
     )
+    # The counts of the runs that have ended (statistics() adds the current run's).
+    _totals: _Counts = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(lambda self: _Counts(len(self.base_url)), takes_self=True),
+    )
     # What negotiation learned per replica: mutable, and deliberately not per run.
     _capabilities: Capabilities = attrs.field(
         init=False,
@@ -443,6 +582,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
                 in_flight=[0] * n,
                 attempts=[0] * n,
                 pause=self._pause_state(),
+                totals=self._totals,
+                counts=_Counts(n),
             )
             self._run_state.set(state)
             trio.lowlevel.spawn_system_task(
@@ -465,33 +606,40 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             await trio.lowlevel.checkpoint()
             return
         self._run_state.set(None)
+        state.add_to_totals()
         state.keeper_scope.cancel()
         await state.closed.wait()
 
     def statistics(self) -> OpenAIStatistics:
-        """Counters for the current Trio run (zeros outside a run and before its first
-        request; restarted by :meth:`aclose`), and the fields each replica refused."""
+        """Counters over the interface's life, every Trio run together (a sync
+        :meth:`generate` is a run of its own), plus the current run's so far; requests on
+        the wire and held calls of the current run; and the fields each replica refused.
+        See :class:`OpenAIStatistics`. Callable from any thread, in a run or not."""
         try:
             state = self._run_state.get(None)
         except RuntimeError:  # outside a Trio run
             state = None
         n = len(self.base_url)
         dropped = tuple(tuple(sorted(fields)) for fields in self._capabilities.dropped)
-        if state is None:
-            return OpenAIStatistics(
-                base_urls=self._shown_urls,
-                in_flight=(0,) * n,
-                attempts=(0,) * n,
-                retries=0,
-                dropped_fields=dropped,
-            )
+        counts = self._totals.copy()
+        in_flight, held = (0,) * n, 0
+        if state is not None:
+            in_flight, held = tuple(state.in_flight), state.pause.held
+            if not state.added:
+                counts.add(state.attempts, state.counts)
+        reasons = sorted(counts.reasons.items(), key=lambda item: (-item[1], item[0]))
         return OpenAIStatistics(
             base_urls=self._shown_urls,
-            in_flight=tuple(state.in_flight),
-            attempts=tuple(state.attempts),
-            retries=state.retries,
+            in_flight=in_flight,
+            attempts=tuple(counts.attempts),
+            retries=counts.retries,
             dropped_fields=dropped,
-            held=state.pause.held,
+            held=held,
+            retried_requests=counts.retried_requests,
+            retry_reasons=tuple(
+                RetryReason(error=error, message=message, count=count)
+                for (error, message), count in reasons
+            ),
         )
 
     # ----------------------------------------------------------------------- weight updates
@@ -682,8 +830,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     ) -> InferenceResponse:
         """One request and its retries (counted in the run's statistics)."""
 
-        def count_retry() -> None:
-            state.retries += 1
+        retried = False
+
+        def count_retry(error: InferenceError) -> None:
+            nonlocal retried
+            state.counts.count_retry(error, first=not retried)
+            retried = True
 
         return await call_with_retries(
             functools.partial(self._attempt, state, request, body, path),
@@ -760,9 +912,40 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             said = server_message(response)
             refused = self._refused_negotiable(response, sent, said)
             if not refused:
-                raise self._status_error(request, response, index, path, sent, said)
+                error = self._status_error(request, response, index, path, sent, said)
+                if response.status_code == 404 and "model" in said[0].lower():
+                    error = await self._name_served_models(state, index, shown, response, error)
+                raise error
             # Each pass drops at least one field that was sent, so this loop ends.
             capabilities.drop(index, refused, self._shown_urls[index])
+
+    async def _name_served_models(
+        self,
+        state: _RunState,
+        index: int,
+        shown: str,
+        response: Response,
+        error: InferenceError,
+    ) -> InferenceError:
+        """For a 404 about the model: the error naming the models the replica serves
+        (``GET {base_url}/models``, once per run and replica), or ``error`` itself when
+        they cannot be had or include ``model``. The server's text stays in
+        ``server_message``."""
+        root = self._shown_urls[index]
+        served = await state.models.names(
+            state.transport, index, self.base_url[index] + "/models", root + "/models"
+        )
+        said = None if served is None else model_not_served(self.model, root, served)
+        if said is None:
+            return error
+        status = f"{response.status_code} {response.reason_phrase}".rstrip()
+        return type(error)(
+            f"POST {shown} returned {status}: {said}",
+            url=error.url,
+            status=error.status,
+            server_message=error.server_message,
+            retry_after=error.retry_after,
+        )
 
     def _options(self) -> dict[str, bool | None]:
         """Each negotiable field's option; a field given in ``extra_body`` is explicit."""
@@ -883,10 +1066,18 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     def _api_root_hint(self, index: int, path: str, message: str) -> str:
         """For a 404 or 405: a base_url without its API prefix, or not an API at all?"""
         root = self._shown_urls[index]
-        last_segment = httpx2.URL(self.base_url[index]).path.rstrip("/").rsplit("/", 1)[-1]
-        if not VERSION_SEGMENT.fullmatch(last_segment):
+        segments = httpx2.URL(self.base_url[index]).path.strip("/").split("/")
+        if not VERSION_SEGMENT.fullmatch(segments[-1]):
+            versions = [
+                i for i, segment in enumerate(segments) if VERSION_SEGMENT.fullmatch(segment)
+            ]
+            if versions:  # '.../v1/models': the root is the URL up to its version segment
+                cut = "/" + "/".join(segments[versions[-1] + 1 :])
+                suggested = root.removesuffix(cut)
+            else:
+                suggested = f"{root}/v1"
             return (
-                f" (is base_url the API root, such as '{root}/v1'? {root!r} does not end "
+                f" (is base_url the API root, such as '{suggested}'? {root!r} does not end "
                 "in a version segment)"
             )
         if "model" in message.lower():

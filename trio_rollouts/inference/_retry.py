@@ -56,10 +56,11 @@ async def call_with_retries(
     *,
     max_retries: int,
     backoff: RetryBackoff,
-    on_retry: Callable[[], object] | None = None,
+    on_retry: Callable[[InferenceError], object] | None = None,
 ) -> T:
     """``await attempt()``, and again after a transient failure, at most ``max_retries``
-    more times, waiting as ``backoff`` says. ``on_retry`` is called before each retry.
+    more times, waiting as ``backoff`` says. ``on_retry`` is called before each retry with
+    the error that caused it.
 
     Raises the last attempt's error; after more than one attempt, with a note counting
     them. Cancellation: cancellable at any point, including during a wait.
@@ -79,11 +80,12 @@ async def _retried(
     attempt: Callable[[], Awaitable[T]],
     max_retries: int,
     backoff: RetryBackoff,
-    on_retry: Callable[[], object] | None,
+    on_retry: Callable[[InferenceError], object] | None,
 ) -> T:
     """Attempts 2, 3, ... after a first attempt that failed transiently with ``first``,
     replayed as stamina's first attempt."""
     attempt_number = 0
+    last = first
     try:
         async for trial in stamina.retry_context(
             on=functools.partial(_retry_wait, backoff),
@@ -98,8 +100,12 @@ async def _retried(
                 if attempt_number == 1:
                     raise first
                 if on_retry is not None:
-                    on_retry()
-                return await attempt()
+                    on_retry(last)
+                try:
+                    return await attempt()
+                except InferenceError as exc:
+                    last = exc
+                    raise
     except InferenceError as exc:
         if attempt_number > 1:
             exc.add_note(f"gave up after {attempt_number} attempts (max_retries={max_retries})")

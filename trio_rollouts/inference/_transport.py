@@ -12,7 +12,8 @@ which one it has. Both
 - raise only :class:`InferenceError` subclasses for a request that got no response,
   mapped in one place, :func:`transport_error`: a timeout is an
   :class:`InferenceTimeoutError` naming the ``Timeout`` field that ran out, a failed or
-  broken connection an :class:`InferenceConnectionError`;
+  broken connection an :class:`InferenceConnectionError`, a host name that does not
+  exist an :class:`InferenceError` (not transient);
 - release a cancelled request's connection slot before ``trio.Cancelled`` propagates.
 
 A transport belongs to one Trio run (the client makes one per run and closes it at the
@@ -21,8 +22,12 @@ run's end).
 
 from __future__ import annotations
 
+import errno
 import functools
+import ipaddress
 import json
+import math
+import socket
 import ssl
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -34,9 +39,11 @@ import trio
 from ._config import Limits, Timeout, TimeoutPhase, timeout_advice
 from ._errors import InferenceConnectionError, InferenceError, InferenceTimeoutError
 from ._lean_http import (
+    ConnectError,
     ConnectionPool,
     LeanHTTPError,
     LeanTimeout,
+    NameLookups,
     NetworkError,
     RemoteProtocolError,
 )
@@ -78,6 +85,11 @@ class Transport(Protocol):
         :class:`InferenceError` when no response arrived; a response of any status is
         returned. Cancellation: cancellable at any point; the slot is released first.
         """
+        ...
+
+    async def get(self, url: str, shown: str) -> Response:
+        """GET ``url``; errors and cancellation as :meth:`post`. For the rare reads of
+        an error path (the models a server serves), not the hot path."""
         ...
 
     async def aclose(self) -> None:
@@ -122,6 +134,15 @@ class LeanTransport:
         except LeanHTTPError as exc:
             raise transport_error(exc, shown, self._timeout, self._api_key) from exc
 
+    async def get(self, url: str, shown: str) -> Response:
+        try:
+            return await self.pool.request(
+                "GET", url, headers=self._headers[:1] + self._headers[2:]
+            )
+        except LeanHTTPError as exc:
+            error = transport_error(exc, shown, self._timeout, self._api_key, method="GET")
+            raise error from exc
+
     async def aclose(self) -> None:
         await self.pool.aclose()
 
@@ -148,6 +169,7 @@ class HTTPXTransport:
             verify=default_ssl_context(),
         )
         self._slots = trio.Semaphore(limits.max_connections)
+        self._lookups = NameLookups()
         self._timeout = timeout
         self._api_key = api_key
 
@@ -159,7 +181,53 @@ class HTTPXTransport:
             finally:
                 self._slots.release()
         except httpx2.HTTPError as exc:
-            raise transport_error(exc, shown, self._timeout, self._api_key) from exc
+            proxy = _proxy_for(url)
+            error = transport_error(exc, shown, self._timeout, self._api_key, proxy=proxy)
+            if isinstance(exc, (httpx2.ConnectTimeout, httpx2.ConnectError)) and isinstance(
+                error, (InferenceTimeoutError, InferenceConnectionError)
+            ):
+                # httpx2 looks the host up per connection: under load the lookups queue
+                # for Trio's threads and a name that does not exist reads as a connect
+                # timeout. One shared lookup tells.
+                lookup_error = await self._look_up(proxy or url)
+                if lookup_error is not None:
+                    error = transport_error(
+                        lookup_error, shown, self._timeout, self._api_key, proxy=proxy
+                    )
+            raise error from exc
+
+    async def get(self, url: str, shown: str) -> Response:
+        try:
+            await self._take_slot()
+            try:
+                return await self.client.get(url)
+            finally:
+                self._slots.release()
+        except httpx2.HTTPError as exc:
+            proxy = _proxy_for(url)
+            error = transport_error(
+                exc, shown, self._timeout, self._api_key, method="GET", proxy=proxy
+            )
+            raise error from exc
+
+    async def _look_up(self, url: str) -> OSError | None:
+        """The error of looking up ``url``'s host (``None``: found, an address, or no
+        answer within ``Timeout.connect``)."""
+        parsed = httpx2.URL(url)
+        try:
+            ipaddress.ip_address(parsed.host)
+        except ValueError:
+            pass
+        else:
+            return None
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        limit = self._timeout.connect
+        with trio.move_on_after(math.inf if limit is None else limit):
+            try:
+                await self._lookups.addresses(parsed.host, port)
+            except OSError as exc:
+                return exc
+        return None
 
     async def _take_slot(self) -> None:
         limit = self._timeout.pool
@@ -185,38 +253,110 @@ _HTTPX_PHASES: Final[tuple[tuple[type[Exception], TimeoutPhase], ...]] = (
 )
 
 
+#: Name lookup failures that looking again will not cure: the name does not exist, has no
+#: address, or the resolver failed for good. ``EAI_AGAIN`` (try again) is not one.
+_UNRESOLVABLE: Final = frozenset(
+    getattr(socket, name)
+    for name in ("EAI_NONAME", "EAI_NODATA", "EAI_FAIL", "EAI_ADDRFAMILY")
+    if hasattr(socket, name)
+)
+
+
 def transport_error(
-    exc: Exception, shown: str, timeout: Timeout, api_key: str | None
+    exc: Exception,
+    shown: str,
+    timeout: Timeout,
+    api_key: str | None,
+    *,
+    method: str = "POST",
+    proxy: str | None = None,
 ) -> InferenceError:
-    """The :class:`InferenceError` for a POST to ``shown`` that got no response, from
-    either transport's exception: the one map of transport errors.
+    """The :class:`InferenceError` for a request to ``shown`` that got no response, from
+    either transport's exception: the one map of transport errors. ``proxy``: the proxy
+    the request went through, if any (the host that was dialled).
 
     ======================================================  ==============================
     lean pool / httpx2                                      raised
     ======================================================  ==============================
     ``LeanTimeout`` / ``httpx2.TimeoutException``           :class:`InferenceTimeoutError`
+    a host name that does not exist (either)                :class:`InferenceError`
     ``NetworkError``, ``RemoteProtocolError`` (either)      :class:`InferenceConnectionError`
     anything else                                           :class:`InferenceError`
     ======================================================  ==============================
+
+    A failed connect is said plainly, whichever transport: ``cannot resolve host 'x'``
+    (not transient unless the resolver said to try again), ``connection refused: is a
+    server listening on host:port?`` (transient: a server that is starting refuses).
     """
     if isinstance(exc, LeanTimeout):
         return InferenceTimeoutError(
-            f"POST {shown} timed out: {redact(str(exc), api_key)}", url=shown
+            f"{method} {shown} timed out: {redact(str(exc), api_key)}", url=shown
         )
     if isinstance(exc, httpx2.TimeoutException):
         phase: TimeoutPhase = next(
             (phase for cls, phase in _HTTPX_PHASES if isinstance(exc, cls)), "read"
         )
         limit = getattr(timeout, phase)
-        msg = f"POST {shown} timed out ({_describe(exc)}): {phase} took longer than "
+        msg = f"{method} {shown} timed out ({_describe(exc)}): {phase} took longer than "
         msg += timeout_advice(phase, limit)
         return InferenceTimeoutError(msg, url=shown)
+    if isinstance(exc, (ConnectError, httpx2.ConnectError, OSError)):
+        refused = _connect_failure(exc, method, shown, proxy)
+        if refused is not None:
+            return refused
     described = redact(_describe(exc), api_key)
     if isinstance(
         exc, (NetworkError, RemoteProtocolError, httpx2.NetworkError, httpx2.RemoteProtocolError)
     ):
-        return InferenceConnectionError(f"POST {shown} failed: {described}", url=shown)
-    return InferenceError(f"POST {shown} failed: {described}", url=shown)
+        return InferenceConnectionError(f"{method} {shown} failed: {described}", url=shown)
+    return InferenceError(f"{method} {shown} failed: {described}", url=shown)
+
+
+def _connect_failure(
+    exc: Exception, method: str, shown: str, proxy: str | None
+) -> InferenceError | None:
+    """The error for a connect that failed because the host name did not resolve or every
+    address refused; ``None`` for any other failure."""
+    causes = _os_errors(exc)
+    dialled = httpx2.URL(proxy if proxy is not None else shown)
+    what = " (the proxy for this URL)" if proxy is not None else ""
+    lookup = next((cause for cause in causes if isinstance(cause, socket.gaierror)), None)
+    if lookup is not None:
+        said = lookup.strerror or str(lookup)
+        msg = f"{method} {shown} failed: cannot resolve host {dialled.host!r}{what} ({said})"
+        if lookup.errno in _UNRESOLVABLE:
+            msg += ": check the host name"
+            return InferenceError(msg, url=shown)
+        return InferenceConnectionError(msg, url=shown)
+    leaves = [cause for cause in causes if cause.errno is not None]
+    if leaves and all(leaf.errno == errno.ECONNREFUSED for leaf in leaves):
+        host = f"[{dialled.host}]" if ":" in dialled.host else dialled.host
+        port = dialled.port or (443 if dialled.scheme == "https" else 80)
+        msg = f"{method} {shown} failed: connection refused: is a server listening on "
+        msg += f"{host}:{port}{what}?"
+        return InferenceConnectionError(msg, url=shown)
+    return None
+
+
+def _os_errors(exc: BaseException) -> list[OSError]:
+    """The ``OSError`` s that ``exc`` was raised from (its causes, and the leaves of an
+    exception group among them)."""
+    found: list[OSError] = []
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        elif isinstance(current, OSError):
+            found.append(current)
+        cause = current.__cause__ or current.__context__
+        if cause is not None:
+            pending.append(cause)
+    return found
 
 
 def _describe(exc: BaseException) -> str:
@@ -234,6 +374,17 @@ def default_ssl_context() -> ssl.SSLContext:
     # Loading the CA bundle takes tens of milliseconds; a transport is made per Trio run
     # (per sync generate() call), and SSLContext objects can be shared.
     return httpx2.create_ssl_context()
+
+
+def _proxy_for(url: str) -> str | None:
+    """The proxy the environment routes ``url`` through, as httpx2 reads it, or ``None``."""
+    proxies = urllib.request.getproxies()
+    if not proxies:
+        return None
+    parsed = httpx2.URL(url)
+    if urllib.request.proxy_bypass(parsed.host):
+        return None
+    return proxies.get(parsed.scheme) or proxies.get("all")
 
 
 def proxied(urls: Sequence[str]) -> bool:
