@@ -8,6 +8,7 @@ Commands run in-process through click's ``CliRunner`` (each runs its own ``trio.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -23,6 +24,7 @@ import trio_rollouts as tr
 from trio_rollouts._demo import DemoConfig, run_demo
 from trio_rollouts.cli import EXIT_TERMINATED, main
 from trio_rollouts.cli._common import Terminated, one_line, run
+from trio_rollouts.cli.demo import plot_install_hint
 
 #: A demo that learns in a fraction of a second (the default one takes ~2.5 s).
 SMALL_DEMO = ["--problems", "8", "--groups", "4", "--lag", "2", "--steps", "20"]
@@ -237,11 +239,52 @@ def test_demo_plot_without_matplotlib_is_a_one_line_error(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     result = invoke("demo", *SMALL_DEMO, "--plot", tmp_path / "curve.png")
     assert result.exit_code == 1
+    # The tests run from a checkout: the command installs into it.
+    checkout = Path(tr.__file__).resolve().parent.parent
     assert error_lines(result) == [
         "Error: --plot needs matplotlib, which is not installed; install it with: "
-        "pip install 'trio-rollouts[plot]'"
+        f"pip install -e '{checkout}[plot]' (or pip install matplotlib)"
     ]
     assert "training" not in result.stderr  # it failed before training
+
+
+def checkout(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "pyproject.toml").write_text('[project]\nname = "trio-rollouts"\n')
+    return folder
+
+
+def direct_url(folder: Path, *, editable: bool) -> str:
+    return json.dumps({"url": folder.as_uri(), "dir_info": {"editable": editable}})
+
+
+def test_plot_hint_from_a_checkout_installs_into_it(tmp_path: Path) -> None:
+    root = checkout(tmp_path / "my checkout")
+    assert plot_install_hint(root, None) == (
+        f"pip install -e '{root}[plot]' (or pip install matplotlib)"
+    )
+
+
+def test_plot_hint_for_an_install_from_a_folder_names_the_folder(tmp_path: Path) -> None:
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    root = checkout(tmp_path / "src")
+    assert plot_install_hint(site, direct_url(root, editable=False)) == (
+        f"pip install '{root}[plot]' (or pip install matplotlib)"
+    )
+    assert plot_install_hint(site, direct_url(root, editable=True)).startswith(
+        f"pip install -e '{root}[plot]'"
+    )
+
+
+def test_plot_hint_for_an_installed_package_is_the_extra(tmp_path: Path) -> None:
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    gone = tmp_path / "deleted checkout"
+    for url in (None, "not json", direct_url(gone, editable=True)):
+        assert plot_install_hint(site, url) == (
+            "pip install 'trio-rollouts[plot]' (or pip install matplotlib)"
+        )
 
 
 def test_demo_plot_draws_the_learning_curve(tmp_path: Path) -> None:
