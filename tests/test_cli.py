@@ -8,6 +8,8 @@ Commands run in-process through click's ``CliRunner`` (each runs its own ``trio.
 
 from __future__ import annotations
 
+import io
+import json
 import re
 import signal
 import sys
@@ -18,11 +20,15 @@ import trio
 import trio.testing
 from _cli_helpers import error_lines, invoke, signal_when
 from click.testing import Result
+from rich.console import Console
 
 import trio_rollouts as tr
 from trio_rollouts._demo import DemoConfig, run_demo
 from trio_rollouts.cli import EXIT_TERMINATED, main
 from trio_rollouts.cli._common import Terminated, one_line, run
+from trio_rollouts.cli._progress import RetryReasons, RunProgress, rate_text
+from trio_rollouts.cli.demo import plot_install_hint
+from trio_rollouts.inference import InferenceTimeoutError, ServerError
 
 #: A demo that learns in a fraction of a second (the default one takes ~2.5 s).
 SMALL_DEMO = ["--problems", "8", "--groups", "4", "--lag", "2", "--steps", "20"]
@@ -132,6 +138,150 @@ def test_run_restores_the_sigterm_handler() -> None:
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+# --------------------------------------------------------------------------- progress
+
+
+def plain_console() -> tuple[Console, io.StringIO]:
+    """A console on a file that is not a terminal, as a Slurm log or ``2> log``."""
+    file = io.StringIO()
+    return Console(file=file, force_terminal=False, width=200), file
+
+
+def test_progress_lines_keep_coming_while_nothing_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TRIO_ROLLOUTS_PROGRESS_SECONDS", "30")
+    console, file = plain_console()
+    progress = RunProgress(console, verb="generating", unit="group", total=4)
+
+    async def stuck() -> None:
+        progress.advance()
+        await trio.sleep(95)  # the other groups never finish
+
+    with progress:
+        run(stuck, clock=trio.testing.MockClock(autojump_threshold=0), beside=progress.heartbeat)
+    assert file.getvalue().splitlines() == [
+        "generating: 4 groups (a line every 30 s; $TRIO_ROLLOUTS_PROGRESS_SECONDS sets it)",
+        "generating: 1/4 groups (25%), 30.0 s/group, retries 0, 30 s elapsed",
+        "generating: 1/4 groups (25%), 60.0 s/group, retries 0, 60 s elapsed",
+        "generating: 1/4 groups (25%), 90.0 s/group, retries 0, 90 s elapsed",
+        "generating: 1/4 groups (25%), 95.0 s/group, retries 0, 95 s elapsed",
+    ]
+
+
+def test_progress_interval_0_writes_a_line_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIO_ROLLOUTS_PROGRESS_SECONDS", "0")
+    console, file = plain_console()
+    progress = RunProgress(console, verb="evaluating", unit="request", total=2)
+
+    async def work() -> None:
+        for _ in range(2):
+            await trio.sleep(2)
+            progress.advance(detail="prompts 0/1")
+        progress.retried(ServerError("503 busy"))
+
+    with progress:
+        run(work, clock=trio.testing.MockClock(autojump_threshold=0), beside=progress.heartbeat)
+    assert file.getvalue().splitlines()[1:] == [
+        "evaluating: 1/2 requests (50%), 2.0 s/request, retries 0, 2.0 s elapsed, prompts 0/1",
+        "evaluating: 2/2 requests (100%), 2.0 s/request, retries 0, 4.0 s elapsed, prompts 0/1",
+        "evaluating: 2/2 requests (100%), 2.0 s/request, retries 1, 4.0 s elapsed, prompts 0/1",
+    ]
+
+
+def test_a_bad_progress_interval_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TRIO_ROLLOUTS_PROGRESS_SECONDS", "soon")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a", "answer": "a"}\n')
+    result = invoke("eval", "--embedded", "--prompts", prompts, "--out", tmp_path / "o.json")
+    assert result.exit_code == 2
+    assert "$TRIO_ROLLOUTS_PROGRESS_SECONDS is 'soon'" in result.stderr
+
+
+def test_on_a_terminal_progress_is_a_bar_not_lines() -> None:
+    file = io.StringIO()
+    console = Console(file=file, force_terminal=True, width=100)
+    progress = RunProgress(console, verb="generating", unit="group", total=2)
+
+    async def work() -> None:
+        progress.advance()
+        await trio.sleep(100)
+        progress.advance()
+
+    with progress:
+        run(work, clock=trio.testing.MockClock(autojump_threshold=0), beside=progress.heartbeat)
+    assert "generating: " not in file.getvalue()
+    assert "2/2" in file.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("count", "seconds", "expected"),
+    [
+        (10, 4.0, "2.5 groups/s"),
+        (10, 535.0, "53.5 s/group"),  # not "0.0 groups/s"
+        (1, 1.0, "1.0 groups/s"),
+        (0, 12.0, "0 groups/s"),
+        (3, 0.0, "inf groups/s"),
+    ],
+)
+def test_a_rate_reads_well_slow_and_fast(count: int, seconds: float, expected: str) -> None:
+    assert rate_text(count, seconds, "group") == expected
+
+
+def test_retry_reasons_count_each_error_type_with_its_first_message() -> None:
+    reasons = RetryReasons()
+    assert reasons.summary() == ""
+    reasons.add(ServerError("returned 503: busy"))
+    reasons.add(InferenceTimeoutError("read timeout after 600 s"))
+    reasons.add(InferenceTimeoutError("read timeout after 600 s (another)"))
+    assert reasons.summary() == (
+        "requests were retried 3 times: InferenceTimeoutError x2 (read timeout after 600 s), "
+        "ServerError x1 (returned 503: busy)"
+    )
+
+
+# --------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["eval", "--group-size", "8"],
+         "No such option '--group-size'. 'eval' has -n/--samples for that: sampled "
+         "completions per prompt."),
+        (["generate", "-n", "8"],
+         "No such option '-n'. 'generate' has --group-size for that: completions (rollouts) "
+         "per prompt."),
+        (["generate", "--samples=8"],
+         "No such option '--samples'. 'generate' has --group-size for that"),
+        (["eval", "--max-new-tokens", "8"],
+         "No such option '--max-new-tokens'. 'eval' has --max-tokens for that: most tokens "
+         "generated per completion."),
+    ],
+)  # fmt: skip
+def test_an_unknown_option_with_a_known_equivalent_names_it(args: list[str], expected: str) -> None:
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert expected in " ".join(result.stderr.split())
+
+
+def test_other_unknown_options_keep_clicks_suggestions() -> None:
+    result = invoke("generate", "--group_size", "8")
+    assert result.exit_code == 2
+    assert "No such option '--group_size'. Did you mean '--group-size'?" in result.stderr
+
+
+def test_help_says_when_base_url_and_model_are_required() -> None:
+    generate_help = " ".join(invoke("generate", "--help").stdout.split())
+    assert "(repeat for replicas of one model). [required] --model" in generate_help
+    assert "--model NAME The served model's name. [required]" in generate_help
+    eval_help = " ".join(invoke("eval", "--help").stdout.split())
+    assert "replicas of one model). [required unless --embedded]" in eval_help
+    assert "--model NAME The served model's name. [required unless --embedded]" in eval_help
+
+
 # --------------------------------------------------------------------------- --out
 
 
@@ -237,11 +387,52 @@ def test_demo_plot_without_matplotlib_is_a_one_line_error(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     result = invoke("demo", *SMALL_DEMO, "--plot", tmp_path / "curve.png")
     assert result.exit_code == 1
+    # The tests run from a checkout: the command installs into it.
+    checkout = Path(tr.__file__).resolve().parent.parent
     assert error_lines(result) == [
         "Error: --plot needs matplotlib, which is not installed; install it with: "
-        "pip install 'trio-rollouts[plot]'"
+        f"pip install -e '{checkout}[plot]' (or pip install matplotlib)"
     ]
     assert "training" not in result.stderr  # it failed before training
+
+
+def checkout(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "pyproject.toml").write_text('[project]\nname = "trio-rollouts"\n')
+    return folder
+
+
+def direct_url(folder: Path, *, editable: bool) -> str:
+    return json.dumps({"url": folder.as_uri(), "dir_info": {"editable": editable}})
+
+
+def test_plot_hint_from_a_checkout_installs_into_it(tmp_path: Path) -> None:
+    root = checkout(tmp_path / "my checkout")
+    assert plot_install_hint(root, None) == (
+        f"pip install -e '{root}[plot]' (or pip install matplotlib)"
+    )
+
+
+def test_plot_hint_for_an_install_from_a_folder_names_the_folder(tmp_path: Path) -> None:
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    root = checkout(tmp_path / "src")
+    assert plot_install_hint(site, direct_url(root, editable=False)) == (
+        f"pip install '{root}[plot]' (or pip install matplotlib)"
+    )
+    assert plot_install_hint(site, direct_url(root, editable=True)).startswith(
+        f"pip install -e '{root}[plot]'"
+    )
+
+
+def test_plot_hint_for_an_installed_package_is_the_extra(tmp_path: Path) -> None:
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    gone = tmp_path / "deleted checkout"
+    for url in (None, "not json", direct_url(gone, editable=True)):
+        assert plot_install_hint(site, url) == (
+            "pip install 'trio-rollouts[plot]' (or pip install matplotlib)"
+        )
 
 
 def test_demo_plot_draws_the_learning_curve(tmp_path: Path) -> None:

@@ -11,7 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cli_helpers import error_lines, invoke, lines, serving, signal_when, write_prompts
+from _cli_helpers import (
+    closed_port,
+    error_lines,
+    invoke,
+    lines,
+    serving,
+    signal_when,
+    write_prompts,
+)
 from _openai_server import FakeOpenAIServer, Reply, serving_in_thread
 
 import trio_rollouts as tr
@@ -191,6 +199,67 @@ def test_a_dead_server_leaves_whole_lines_that_resume_continues(
     assert len(server.received) == 6  # only the two missing prompts
     assert json.loads(out.read_text()) == json.loads((tmp_path / "whole.json").read_text())
     assert not progress_of(out).exists()
+
+
+def test_eval_writes_progress_lines_during_the_run(
+    letter_prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The embedded backend's latency runs on a virtual clock: a line every simulated
+    # second, however fast the machine.
+    monkeypatch.setenv("TRIO_ROLLOUTS_PROGRESS_SECONDS", "1")
+    result = invoke("eval", "--embedded", "--prompts", letter_prompts, "--concurrency", 1,
+                    "--out", tmp_path / "eval.json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    found = re.findall(
+        r"^evaluating: (\d+)/50 requests \(\d+%\), \S+ \S+, retries 0, ([\d.]+) s simulated "
+        r"elapsed, prompts (\d+)/10$",
+        result.stderr,
+        flags=re.MULTILINE,
+    )
+    requests = [int(r) for r, _, _ in found]
+    elapsed = [float(e) for _, e, _ in found]
+    assert len(found) >= 4
+    # Lines came every simulated second while requests were still being made...
+    assert elapsed[:3] == [1.0, 2.0, 3.0]
+    assert 0 < requests[0] < requests[1] < requests[2] < 50
+    # ... and the last one when the run ended.
+    assert (requests[-1], found[-1][2]) == (50, "10")
+
+
+def test_a_dead_server_before_any_result_leaves_nothing_behind(
+    letter_prompts: Path, tmp_path: Path
+) -> None:
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    result = invoke("eval", "--base-url", url, "--model", "m", "--prompts", letter_prompts,
+                    "--max-retries", 0, "--out", tmp_path / "eval.json")  # fmt: skip
+    assert result.exit_code == 1
+    assert "no prompt's result was written, so there is nothing to resume" in error_lines(result)[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["letters.jsonl"]
+
+
+def test_eval_notes_an_unset_max_tokens_only_against_a_server(
+    server: FakeOpenAIServer, server_prompts: Path, tmp_path: Path
+) -> None:
+    common = ["eval", "--prompts", server_prompts, "-n", 1]
+    served = invoke(*common, "--base-url", server.base_url, "--model", "m",
+                    "--out", tmp_path / "a.json")  # fmt: skip
+    assert served.exit_code == 0, served.output
+    assert "note: --max-tokens is not set" in served.stderr
+    embedded = invoke(*common, "--embedded", "--out", tmp_path / "b.json")
+    assert embedded.exit_code == 0, embedded.output
+    assert "--max-tokens is not set" not in embedded.stderr
+
+
+def test_eval_says_why_requests_were_retried(
+    server: FakeOpenAIServer, server_prompts: Path, tmp_path: Path
+) -> None:
+    busy = Reply(status=503, headers={"retry-after": "0"}, json={"error": {"message": "busy"}})
+    server.reply(busy)
+    result = invoke("eval", "--base-url", server.base_url, "--model", "m", "--prompts",
+                    server_prompts, "-n", 1, "--max-tokens", 8, "--out", tmp_path / "e.json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.stderr.splitlines() if "were retried" in line]
+    assert re.fullmatch(r"requests were retried 1 time: ServerError x1 \(.*503.*busy\)", line)
 
 
 def test_eval_resume_refuses_other_settings(letter_prompts: Path, tmp_path: Path) -> None:

@@ -506,7 +506,9 @@ def test_a_bad_prompt_file_is_a_one_line_error_naming_the_line(
     assert "Traceback" not in result.output
 
 
-def test_an_unreachable_server_is_a_one_line_error(prompts: Path, tmp_path: Path) -> None:
+def test_an_unreachable_server_is_a_one_line_error_and_leaves_nothing_behind(
+    prompts: Path, tmp_path: Path
+) -> None:
     url = f"http://127.0.0.1:{closed_port()}/v1"
     result = invoke("generate", "--base-url", url, "--model", "m", "--prompts", prompts,
                     "--out", tmp_path / "o.jsonl", "--max-retries", 0)  # fmt: skip
@@ -514,11 +516,54 @@ def test_an_unreachable_server_is_a_one_line_error(prompts: Path, tmp_path: Path
     [line] = error_lines(result)
     assert f"POST {url}/chat/completions failed" in line
     assert (
-        "0 complete groups; once the cause is fixed (the base URL may change), --resume continues the job"
-        in line
+        "no group was written, so there is nothing to resume: run the same command once the "
+        "cause is fixed" in line
     )
     assert "more error" not in line  # the same failure of every request, shown once
     assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]  # no empty output
+
+
+def test_a_failure_before_any_group_leaves_an_overwritten_output_as_it_was(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "o.jsonl"
+    assert invoke(*generate(server, prompts, out, "--num-prompts", 1)).exit_code == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    server.default = Reply(status=400, json={"error": {"message": "no such model"}})
+    result = invoke(*generate(server, prompts, out, "--overwrite", "--group-size", 3))
+    assert result.exit_code == 1
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_failure_after_some_groups_keeps_them_for_resume(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "o.jsonl"
+    server.reply(Reply(), Reply())  # the first group (of two requests) is answered
+    server.default = Reply(status=400, json={"error": {"message": "the server broke"}})
+    common = generate(server, prompts, out, "--group-size", 2, "--concurrency", 1)
+    result = invoke(*common)
+    assert result.exit_code == 1
+    assert f"{out} holds 1 complete groups; once the cause is fixed" in error_lines(result)[0]
+    assert len(groups_in(out)) == 1
+    assert (tmp_path / "o.jsonl.job.json").exists()
+    server.default = Reply()
+    resumed = invoke(*common, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert "resuming: 1 of 3 problems are done" in resumed.stderr
+    assert len(groups_in(out)) == 3
+
+
+def test_a_job_that_writes_no_group_still_has_an_output(
+    server: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"prompt": "q", "answer": "nope"}])
+    out = tmp_path / "o.jsonl"
+    result = invoke(*generate(server, prompts, out, "--group-size", 2, "--filter-same-reward"))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == b""
+    assert (tmp_path / "o.jsonl.job.json").exists()
 
 
 def test_a_server_that_rejects_the_request_is_a_one_line_error(
@@ -530,6 +575,64 @@ def test_a_server_that_rejects_the_request_is_a_one_line_error(
     [line] = error_lines(result)
     assert "returned 400" in line
     assert "unknown model 'm'" in line
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def test_generate_writes_progress_lines_to_a_non_terminal_stderr(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRIO_ROLLOUTS_PROGRESS_SECONDS", "0")  # a line per finished group
+    result = invoke(*generate(server, prompts, tmp_path / "o.jsonl", "--concurrency", 1))
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("generating")]
+    assert (
+        lines[0]
+        == "generating: 3 groups (a line per step; $TRIO_ROLLOUTS_PROGRESS_SECONDS sets it)"
+    )
+    counts = [re.match(r"generating: (\d)/3 groups \(\d+%\), \S+ \S+, retries 0, ", line)
+              for line in lines[1:]]  # fmt: skip
+    assert [int(found[1]) for found in counts if found] == [1, 2, 3]
+    assert lines[-1].endswith("filtered 0, mean reward 0.667")
+
+
+def test_the_summary_shows_a_slow_rate_in_seconds_per_group(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path
+) -> None:
+    server.default = Reply(delay=1.05)  # one group of one request: below 1 group/s
+    result = invoke(*generate(server, prompts, tmp_path / "o.jsonl", "--num-prompts", 1,
+                              "--group-size", 1))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert re.search(r"time\W+[\d.]+ s \([\d.]+ s/group\)", result.stdout)
+
+
+def test_without_max_tokens_a_note_says_what_can_happen(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path
+) -> None:
+    result = invoke(*generate(server, prompts, tmp_path / "a.jsonl", "--timeout", 90))
+    assert result.exit_code == 0, result.output
+    assert (
+        "note: --max-tokens is not set, so a completion runs until the server's own limit "
+        "(llama.cpp's server has none), and one that takes longer than the read timeout "
+        "(90 s, --timeout) fails and is retried from the start; set --max-tokens to bound "
+        "completions" in " ".join(result.stderr.split())
+    )
+    bounded = invoke(*generate(server, prompts, tmp_path / "b.jsonl", "--max-tokens", 64))
+    assert bounded.exit_code == 0, bounded.output
+    assert "--max-tokens is not set" not in bounded.stderr
+
+
+def test_retries_are_explained_by_error_type(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path
+) -> None:
+    busy = Reply(status=503, headers={"retry-after": "0"}, json={"error": {"message": "busy"}})
+    server.reply(busy, busy)
+    result = invoke(*generate(server, prompts, tmp_path / "o.jsonl", "--concurrency", 1))
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.stderr.splitlines() if "were retried" in line]
+    assert re.fullmatch(r"requests were retried 2 times: ServerError x2 \(.*503.*busy\)", line)
+    assert re.search(r"retried requests\W+2", result.stdout)
 
 
 # --------------------------------------------------------------------------- signals

@@ -13,11 +13,10 @@ import contextlib
 import functools
 import hashlib
 import json
-import math
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -36,6 +35,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_TERMINATED",
     "JSON_OBJECT",
+    "Command",
     "JSONObject",
     "Terminated",
     "counting_retries",
@@ -47,7 +47,6 @@ __all__ = [
     "openai_interface",
     "out_option",
     "overwrite_option",
-    "rate",
     "refuse_existing_out",
     "reports_errors",
     "reward_option",
@@ -56,6 +55,7 @@ __all__ = [
     "sha256",
     "stderr_console",
     "stdout_console",
+    "unbounded_completions_note",
     "write_json",
 ]
 
@@ -133,14 +133,19 @@ def _interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
 
 
 def run(
-    async_fn: Callable[..., Awaitable[T]], *args: Any, clock: trio.abc.Clock | None = None
+    async_fn: Callable[..., Awaitable[T]],
+    *args: Any,
+    clock: trio.abc.Clock | None = None,
+    beside: Callable[[], Awaitable[None]] | None = None,
 ) -> T:
     """``trio.run`` that stops on SIGTERM as on Ctrl-C, and turns either, however Trio
     delivered it (in an exception group when it hit a task other than the main one),
     into one ``KeyboardInterrupt`` (:class:`Terminated` for SIGTERM).
 
     On SIGTERM the work is cancelled (at its next checkpoint, so a line being written is
-    finished first), then :class:`Terminated` is raised.
+    finished first), then :class:`Terminated` is raised. ``beside`` (a progress
+    heartbeat) runs as a task beside the work and is cancelled when the work ends, however
+    it ends; it must not raise.
     """
     terminated = False
 
@@ -157,13 +162,19 @@ def run(
                 work_scope.cancel()
                 return
 
-        if threading.current_thread() is not threading.main_thread():
-            # Signals reach only the main thread; elsewhere, run the work as it is.
-            return await async_fn(*args)
-        # The receiver outlives the nursery, so the watcher never reads a closed one.
-        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        with contextlib.ExitStack() as stack:
+            # Signals reach only the main thread; elsewhere, run the work without a watch.
+            signals = (
+                stack.enter_context(trio.open_signal_receiver(signal.SIGTERM))
+                if threading.current_thread() is threading.main_thread()
+                else None
+            )
+            # The receiver outlives the nursery, so the watcher never reads a closed one.
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch, signals)
+                if signals is not None:
+                    nursery.start_soon(watch, signals)
+                if beside is not None:
+                    nursery.start_soon(beside)
                 with work_scope:
                     try:
                         result = await async_fn(*args)
@@ -348,18 +359,28 @@ JSON_OBJECT = JSONObject()
 _SERVER_DEFAULT = "[default: unset, the server's default]"
 
 
-def server_options(command: Callable[P, T]) -> Callable[P, T]:
+def server_options(*, unless: str | None = None) -> Callable[[Callable[P, T]], Callable[P, T]]:
     """The options of every command that talks to a server: where it is, how requests
-    are made, the extensions asked for, and the sampling arguments."""
+    are made, the extensions asked for, and the sampling arguments.
+
+    ``--base-url`` and ``--model`` are required; with ``unless`` (a flag such as
+    ``--embedded``) the command checks that itself and the help says ``[required unless
+    --embedded]``.
+    """
+    required = unless is None
+    note = "" if required else f"  [required unless {unless}]"
     options = [
         click.option(
             "--base-url",
             multiple=True,
+            required=required,
             metavar="URL",
             help="API root of an OpenAI-compatible server, '/v1' included "
-            "(repeat for replicas of one model).",
+            f"(repeat for replicas of one model).{note}",
         ),
-        click.option("--model", metavar="NAME", help="The served model's name."),
+        click.option(
+            "--model", metavar="NAME", required=required, help=f"The served model's name.{note}"
+        ),
         click.option(
             "--api-key",
             metavar="KEY",
@@ -436,9 +457,65 @@ def server_options(command: Callable[P, T]) -> Callable[P, T]:
             help=f"Most tokens generated per completion {_SERVER_DEFAULT}.",
         ),
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+
+    def decorate(command: Callable[P, T]) -> Callable[P, T]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+class Command(click.Command):
+    """A command whose "No such option" error, for a name that other tools (or another
+    command of this one) use for one of its options, names that option:
+    ``equivalents`` maps such names (``--group-size``) to the parameter
+    (``samples``)."""
+
+    def __init__(self, *args: Any, equivalents: Mapping[str, str] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.equivalents = dict(equivalents or {})
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """click's parsing, with the hint above."""
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            hint = self._equivalent(exc.option_name)
+            if hint is None:
+                raise
+            msg = f"No such option '{exc.option_name}'. {hint}"
+            raise click.NoSuchOption(exc.option_name, message=msg, ctx=ctx) from None
+
+    def _equivalent(self, option_name: str) -> str | None:
+        name = self.equivalents.get(option_name)
+        for param in self.params:
+            if param.name == name and isinstance(param, click.Option):
+                flags = "/".join(param.opts)
+                # The help's first sentence, without its "[default: ...]".
+                about = (param.help or "").split(" [")[0].split(". ")[0].rstrip(".")
+                text = f"'{self.name}' has {flags} for that"
+                return f"{text}: {about[:1].lower()}{about[1:]}." if about else f"{text}."
+        return None
+
+
+def unbounded_completions_note(max_tokens: int | None, timeout: float | None) -> str | None:
+    """What to tell a user who talks to a server without ``--max-tokens``: a completion
+    may run until the server's own limit, and one that outlasts the read timeout is
+    retried from the start. ``None`` when ``--max-tokens`` is set."""
+    if max_tokens is not None:
+        return None
+    read = timeout if timeout is not None else DEFAULT_TIMEOUT.read
+    outlasts = (
+        f"one that takes longer than the read timeout ({read:g} s, --timeout) fails and is "
+        "retried from the start"
+        if read is not None
+        else "nothing stops it"
+    )
+    return (
+        "note: --max-tokens is not set, so a completion runs until the server's own limit "
+        f"(llama.cpp's server has none), and {outlasts}; set --max-tokens to bound completions"
+    )
 
 
 def reward_option(default: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
@@ -509,8 +586,3 @@ def load_prompts(prompts: Path, reward: str | None, num_prompts: int | None) -> 
                 msg = f"{prompts}: problem {problem.problem_id!r}: {one_line(exc)}"
                 raise PromptFileError(msg) from None
     return problems
-
-
-def rate(count: float, seconds: float) -> float:
-    """``count / seconds``, infinite for no time."""
-    return count / seconds if seconds > 0 else math.inf

@@ -11,8 +11,10 @@ The output itself stays what ``load_jsonl`` reads.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import IO, Any
 
 import click
 
@@ -20,6 +22,7 @@ from ._common import write_json
 
 __all__ = [
     "JOB_FORMAT",
+    "OutputFile",
     "check_job",
     "describe_differences",
     "differences",
@@ -100,3 +103,41 @@ def check_job(out: Path, command: str, settings: dict[str, Any]) -> None:
             "replace it, or choose another --out"
         )
         raise click.ClickException(msg)
+
+
+class OutputFile:
+    """The file a job appends its lines to, created only when the first line is written:
+    a run that fails (or is interrupted) before it writes any leaves nothing behind, and
+    the file that ``--overwrite`` would replace stays as it was. ``prepare`` runs just
+    before the file is opened (writing the job's record, removing what the new file
+    replaces). Use it as a context manager; it closes the file at exit."""
+
+    def __init__(self, path: Path, *, append: bool, prepare: Callable[[], None]) -> None:
+        self.path = path
+        self._append = append
+        self._prepare = prepare
+        self._file: IO[str] | None = None
+
+    @property
+    def created(self) -> bool:
+        """Whether the file was opened (created, or continued) by this run."""
+        return self._file is not None
+
+    def file(self) -> IO[str]:
+        """The open file, created (after ``prepare``) at the first call."""
+        if self._file is None:
+            self._prepare()
+            self._file = open(self.path, "a" if self._append else "w", encoding="utf-8")  # noqa: SIM115
+        return self._file
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._file is not None:
+            self._file.close()

@@ -6,8 +6,12 @@ same directory, goes on from the last one."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import json
 import math
+import shlex
 import time
+import urllib.parse
 from pathlib import Path
 from typing import IO, Any
 
@@ -206,14 +210,52 @@ def _continue_out(out: Path, checkpoint: DemoCheckpoint) -> None:
         )
 
 
+def _is_checkout(folder: Path) -> bool:
+    """Whether ``folder`` is a source checkout of this project (its ``pyproject.toml``)."""
+    try:
+        text = (folder / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return 'name = "trio-rollouts"' in text
+
+
+def plot_install_hint(package_root: Path, direct_url: str | None) -> str:
+    """The command that installs ``--plot``'s matplotlib where the package is: into the
+    checkout it runs from (``package_root``, the folder above the package, when that is
+    a checkout: an editable install or ``PYTHONPATH``), into the folder pip installed it
+    from (``direct_url``: the distribution's ``direct_url.json``), else as the extra."""
+    if _is_checkout(package_root):
+        return f"pip install -e {shlex.quote(f'{package_root}[plot]')} (or pip install matplotlib)"
+    data: Any = None
+    if direct_url:
+        try:
+            data = json.loads(direct_url)
+        except json.JSONDecodeError:
+            data = None
+    if isinstance(data, dict) and isinstance(data.get("dir_info"), dict):
+        url = urllib.parse.urlparse(str(data.get("url", "")))
+        folder = Path(urllib.parse.unquote(url.path))
+        if url.scheme == "file" and _is_checkout(folder):
+            editable = "-e " if data["dir_info"].get("editable") else ""
+            target = shlex.quote(f"{folder}[plot]")
+            return f"pip install {editable}{target} (or pip install matplotlib)"
+    return "pip install 'trio-rollouts[plot]' (or pip install matplotlib)"
+
+
+def _installed_direct_url() -> str | None:
+    try:
+        return importlib.metadata.distribution("trio-rollouts").read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _require_matplotlib() -> Any:
     try:
         matplotlib = importlib.import_module("matplotlib")
     except ImportError:
-        msg = (
-            "--plot needs matplotlib, which is not installed; "
-            "install it with: pip install 'trio-rollouts[plot]'"
-        )
+        package_root = Path(__file__).resolve().parent.parent.parent
+        hint = plot_install_hint(package_root, _installed_direct_url())
+        msg = f"--plot needs matplotlib, which is not installed; install it with: {hint}"
         raise click.ClickException(msg) from None
     return matplotlib
 

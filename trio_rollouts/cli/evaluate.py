@@ -13,20 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import attrs
 import click
 import trio
 import trio.testing
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 from stamina.instrumentation import RetryDetails
 
@@ -49,8 +41,8 @@ from ..inference import (
     render_plain_chat,
 )
 from ._common import (
+    Command,
     counting_retries,
-    end_live,
     generation_args,
     interrupted,
     load_prompts,
@@ -65,9 +57,18 @@ from ._common import (
     sha256,
     stderr_console,
     stdout_console,
+    unbounded_completions_note,
     write_json,
 )
-from ._job import check_job, describe_differences, differences, job_path, write_job
+from ._job import (
+    OutputFile,
+    check_job,
+    describe_differences,
+    differences,
+    job_path,
+    write_job,
+)
+from ._progress import RunProgress
 
 __all__ = [
     "EVAL_FORMAT",
@@ -159,13 +160,13 @@ async def _eval_main(
     evaluate: Callable[[Problem], Awaitable[PassAtKResult]],
     todo: list[Problem],
     prompts_at_once: int,
-    file: IO[str],
+    output: OutputFile,
     on_result: Callable[[PassAtKResult], None],
 ) -> None:
     def call(problem: Problem) -> Callable[[], Awaitable[None]]:
         async def one() -> None:
             result = await evaluate(problem)
-            write_groups(file, [result])
+            write_groups(output.file(), [result])
             on_result(result)
 
         return one
@@ -230,8 +231,18 @@ def _finished_result(out: Path, progress_file: Path, job: dict[str, Any]) -> dic
     return data
 
 
-@click.command(name="eval")
-@server_options
+@click.command(
+    name="eval",
+    cls=Command,
+    equivalents={
+        "--group-size": "samples",
+        "--num-samples": "samples",
+        "--n-samples": "samples",
+        "--rollouts-per-group": "samples",
+        "--max-new-tokens": "max_tokens",
+    },
+)
+@server_options(unless="--embedded")
 @click.option(
     "--embedded",
     is_flag=True,
@@ -412,34 +423,41 @@ def eval_command(
     done: list[PassAtKResult] = []
     if not (resume or overwrite):
         refuse_existing_out(out, resumable=True, also=[progress_file])
+    fresh = True
     if resume and _has_data(progress_file):
         done = _resumed_results(out, progress_file, flat_job(job), shard)
+        fresh = False
     elif resume and _has_data(out):
         finished = _finished_result(out, progress_file, flat_job(job))
         click.echo(f"{out} is complete: nothing to resume", err=True)
         stdout_console().print(metrics_table("trio-rollouts eval", finished["metrics"]))
         return
-    else:
-        # A fresh run (or --overwrite): the old result goes now, so that the files on disk
-        # always belong to one job.
-        out.unlink(missing_ok=True)
-        write_job(out, "eval", flat_job(job))
-        progress_file.write_bytes(b"")
     finished_ids = {result.problem_id for result in done}
     todo = [problem for problem in shard if problem.problem_id not in finished_ids]
 
-    stderr = stderr_console()
-    calls_per_prompt = samples + greedy
-    progress = Progress(
-        TextColumn("[bold]evaluating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=stderr,
+    def start_fresh() -> None:
+        # The old result goes when the first new one is written, so that the files on
+        # disk always belong to one job, and a run that writes none leaves them as they were.
+        out.unlink(missing_ok=True)
+        write_job(out, "eval", flat_job(job))
+
+    output = OutputFile(
+        progress_file, append=not fresh, prepare=start_fresh if fresh else lambda: None
     )
-    task = progress.add_task("requests", total=len(todo) * calls_per_prompt)
-    interface = _CountingInterface(inner=inner, on_done=lambda: progress.advance(task))
+    if not embedded and todo:
+        note = unbounded_completions_note(max_tokens, timeout)
+        if note is not None:
+            click.echo(note, err=True)
+
+    calls_per_prompt = samples + greedy
+    progress = RunProgress(
+        stderr_console(),
+        verb="evaluating",
+        unit="request",
+        total=len(todo) * calls_per_prompt,
+        simulated=embedded,
+    )
+    interface = _CountingInterface(inner=inner, on_done=progress.advance)
     args = generation_args(temperature, top_k, top_p, max_tokens)
 
     async def evaluate(problem: Problem) -> PassAtKResult:
@@ -459,18 +477,17 @@ def eval_command(
         response = await agent.run_evaluation(request)
         return response.results[0]
 
-    retries: list[RetryDetails] = []
-
     def on_retry(details: RetryDetails) -> None:
-        retries.append(details)
+        progress.retried(details.caused_by)
 
     new: list[PassAtKResult] = []
+
+    def on_result(result: PassAtKResult) -> None:
+        new.append(result)
+        progress.set_detail(f"prompts {len(done) + len(new)}/{len(shard)}")
+
     try:
-        with (
-            open(progress_file, "a", encoding="utf-8") as file,
-            progress,
-            counting_retries(on_retry),
-        ):
+        with output, progress, counting_retries(on_retry):
             # The embedded backend's latency is simulated: a virtual clock skips it.
             clock = trio.testing.MockClock(autojump_threshold=0) if embedded else None
             run(
@@ -478,27 +495,38 @@ def eval_command(
                 evaluate,
                 todo,
                 max(1, concurrency // calls_per_prompt),
-                file,
-                new.append,
+                output,
+                on_result,
                 clock=clock,
+                beside=progress.heartbeat,
             )
     except KeyboardInterrupt as exc:
-        raise interrupted(
-            exc,
-            f"Interrupted: {progress_file} holds {len(done) + len(new)} of {len(shard)} "
-            "prompts' results; run the same command with --resume to continue.",
-        ) from None
+        if fresh and not output.created:
+            message = (
+                "Interrupted before any prompt's result was written; there is nothing to resume."
+            )
+        else:
+            message = (
+                f"Interrupted: {progress_file} holds {len(done) + len(new)} of {len(shard)} "
+                "prompts' results; run the same command with --resume to continue."
+            )
+        raise interrupted(exc, message) from None
     except Exception as exc:
-        exc.add_note(
-            f"{progress_file} holds {len(done) + len(new)} of {len(shard)} prompts' results; "
-            "once the cause is fixed (the base URL may change), --resume "
-            "continues the run"
-        )
+        if fresh and not output.created:
+            exc.add_note(
+                "no prompt's result was written, so there is nothing to resume: run the same "
+                "command once the cause is fixed"
+            )
+        else:
+            exc.add_note(
+                f"{progress_file} holds {len(done) + len(new)} of {len(shard)} prompts' "
+                "results; once the cause is fixed (the base URL may change), --resume "
+                "continues the run"
+            )
         raise
     finally:
-        end_live(stderr)
-    if retries:
-        click.echo(f"{len(retries)} requests were retried", err=True)
+        if progress.retries.count:
+            click.echo(progress.retries.summary(), err=True)
     if samples > 1 and interface.all_samples_identical():
         click.echo(
             f"warning: all {samples} sampled completions were identical for each of the "
@@ -515,7 +543,7 @@ def eval_command(
     write_json(
         out, {"format": EVAL_FORMAT, **job, "metrics": metrics, "response": unstructure(response)}
     )
-    progress_file.unlink()
+    progress_file.unlink(missing_ok=True)
     job_path(out).unlink(missing_ok=True)
     title = "trio-rollouts eval"
     if world > 1:

@@ -12,20 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import attrs
 import click
 import trio
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 from stamina.instrumentation import RetryDetails
 
@@ -35,15 +26,14 @@ from .._prompts import PromptSource
 from .._reward_only import REWARD_FUNCTIONS, RewardOnlyAgent
 from ..inference import InferenceResponse
 from ._common import (
+    Command,
     counting_retries,
-    end_live,
     generation_args,
     interrupted,
     load_prompts,
     openai_interface,
     out_option,
     overwrite_option,
-    rate,
     refuse_existing_out,
     reports_errors,
     reward_option,
@@ -52,8 +42,10 @@ from ._common import (
     sha256,
     stderr_console,
     stdout_console,
+    unbounded_completions_note,
 )
-from ._job import check_job, job_path, write_job
+from ._job import OutputFile, check_job, job_path, write_job
+from ._progress import RunProgress, rate_text
 
 __all__ = ["generate"]
 
@@ -107,7 +99,6 @@ class _PromptListAgent(RewardOnlyAgent):
 class _GenerateTally:
     """What a generate job has done so far."""
 
-    retries: int = 0
     written: int = 0
     filtered: int = 0
     rollouts: int = 0
@@ -142,11 +133,10 @@ async def _generate_main(
     agent: _PromptListAgent,
     problems: list[Problem],
     request: GroupedRolloutRequest,
-    out: IO[str],
+    out: OutputFile,
     filter_same_reward: bool,
     tally: _GenerateTally,
-    progress: Progress,
-    task: TaskID,
+    progress: RunProgress,
 ) -> None:
     async with agent.get_grouped_rollouts(request) as stream:
         for _ in range(len(problems)):
@@ -157,15 +147,15 @@ async def _generate_main(
             if filter_same_reward and same:
                 tally.filtered += 1
             else:
-                write_groups(out, [group])
+                write_groups(out.file(), [group])
                 tally.written += 1
                 tally.rollouts += len(group)
                 tally.reward_sum += float(rewards.sum())
                 tally.mixed_groups += not same
-            progress.update(task, advance=1, detail=_tally_line(tally))
+            progress.advance(detail=_tally_line(tally))
 
 
-def _count_identical(group: RolloutGroup, tally: _GenerateTally, progress: Progress) -> None:
+def _count_identical(group: RolloutGroup, tally: _GenerateTally, progress: RunProgress) -> None:
     if len(group) < 2:
         return
     tally.sampled_groups += 1
@@ -177,12 +167,21 @@ def _count_identical(group: RolloutGroup, tally: _GenerateTally, progress: Progr
 
 def _tally_line(tally: _GenerateTally) -> str:
     mean = f"{tally.reward_sum / tally.rollouts:.3f}" if tally.rollouts else "-"
-    retries = f"  retries {tally.retries}" if tally.retries else ""
-    return f"filtered {tally.filtered}  mean reward {mean}{retries}"
+    return f"filtered {tally.filtered}, mean reward {mean}"
 
 
-@click.command()
-@server_options
+@click.command(
+    cls=Command,
+    equivalents={
+        "-n": "group_size",
+        "--samples": "group_size",
+        "--num-samples": "group_size",
+        "--n-samples": "group_size",
+        "--rollouts-per-group": "group_size",
+        "--max-new-tokens": "max_tokens",
+    },
+)
+@server_options()
 @click.option(
     "--prompts",
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
@@ -232,7 +231,7 @@ def _tally_line(tally: _GenerateTally) -> str:
 @reports_errors
 def generate(
     base_url: tuple[str, ...],
-    model: str | None,
+    model: str,
     api_key: str | None,
     endpoint: str,
     timeout: float | None,
@@ -262,10 +261,6 @@ def generate(
     so Ctrl-C (exit code 130) or SIGTERM (143) leaves only complete lines and --resume
     continues the job.
     """
-    if not base_url:
-        raise click.UsageError("Missing option '--base-url'.")
-    if model is None:
-        raise click.UsageError("Missing option '--model'.")
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite exclude each other.")
     if filter_same_reward and group_size < 2:
@@ -321,10 +316,19 @@ def generate(
         extra_body=extra_body,
     )
     tally = _GenerateTally(check_identical=temperature != 0)
+    note = unbounded_completions_note(max_tokens, timeout)
+    if note is not None and problems:
+        click.echo(note, err=True)
+    # Created with its job record at the first group written: a run that fails before
+    # that leaves nothing behind (and an --overwrite'n file as it was).
+    output = OutputFile(
+        out,
+        append=continuing,
+        prepare=(lambda: None) if continuing else (lambda: write_job(out, "generate", job)),
+    )
+    progress = RunProgress(stderr, verb="generating", unit="group", total=len(problems))
     start = time.perf_counter()
-    with open(out, "a" if continuing else "w", encoding="utf-8") as file:
-        if not continuing:
-            write_job(out, "generate", job)
+    with output:
         if problems:
             agent = _PromptListAgent(
                 prompts=PromptSource(problems, shuffle=False),
@@ -340,20 +344,9 @@ def generate(
                 streaming=True,
                 generation_args=args,
             )
-            progress = Progress(
-                TextColumn("[bold]generating"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[detail]}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=stderr,
-            )
-            task = progress.add_task("groups", total=len(problems), detail="")
 
             def on_retry(details: RetryDetails) -> None:
-                tally.retries += 1
-                progress.update(task, detail=_tally_line(tally))
+                progress.retried(details.caused_by)
 
             try:
                 with progress, counting_retries(on_retry):
@@ -362,28 +355,22 @@ def generate(
                         agent,
                         problems,
                         request,
-                        file,
+                        output,
                         filter_same_reward,
                         tally,
                         progress,
-                        task,
+                        beside=progress.heartbeat,
                     )
             except KeyboardInterrupt as exc:
-                done = skipped + tally.written
-                raise interrupted(
-                    exc,
-                    f"Interrupted: {out} holds {done} complete groups; run the same "
-                    "command with --resume to continue.",
-                ) from None
+                message = _interrupted_message(output, not continuing, skipped + tally.written)
+                raise interrupted(exc, message) from None
             except Exception as exc:
-                exc.add_note(
-                    f"{out} holds {skipped + tally.written} complete groups; once the cause "
-                    "is fixed (the base URL may change), --resume continues "
-                    "the job"
-                )
+                exc.add_note(_failed_note(output, not continuing, skipped + tally.written))
                 raise
             finally:
-                end_live(stderr)
+                if progress.retries.count:
+                    click.echo(progress.retries.summary(), err=True)
+        output.file()  # a job that wrote no group has an (empty) output all the same
     if tally.warn_identical():
         click.echo(_identical_warning(tally), err=True)
     elapsed = time.perf_counter() - start
@@ -393,12 +380,33 @@ def generate(
     table.add_row("prompts", f"{len(problems) + skipped} ({skipped} already done)")
     table.add_row("groups written", f"{tally.written} ({tally.rollouts} rollouts)")
     table.add_row("groups filtered", f"{tally.filtered}")
-    table.add_row("retried requests", f"{tally.retries}")
+    table.add_row("retried requests", f"{progress.retries.count}")
     mean = f"{tally.reward_sum / tally.rollouts:.3f}" if tally.rollouts else "-"
     table.add_row("mean reward", mean)
     table.add_row("groups with mixed rewards", f"{tally.mixed_groups}")
-    speed = rate(tally.written + tally.filtered, elapsed)
-    table.add_row("time", f"{elapsed:.1f} s ({speed:.1f} groups/s)")
+    speed = rate_text(tally.written + tally.filtered, elapsed, "group")
+    table.add_row("time", f"{elapsed:.1f} s ({speed})")
     table.add_row("output", str(out))
     table.add_row("job record", str(job_path(out)))
     stdout_console().print(table)
+
+
+def _interrupted_message(output: OutputFile, fresh: bool, groups: int) -> str:
+    if fresh and not output.created:
+        return "Interrupted before any group was written; there is nothing to resume."
+    return (
+        f"Interrupted: {output.path} holds {groups} complete groups; run the same command "
+        "with --resume to continue."
+    )
+
+
+def _failed_note(output: OutputFile, fresh: bool, groups: int) -> str:
+    if fresh and not output.created:
+        return (
+            "no group was written, so there is nothing to resume: run the same command once "
+            "the cause is fixed"
+        )
+    return (
+        f"{output.path} holds {groups} complete groups; once the cause is fixed (the base "
+        "URL may change), --resume continues the job"
+    )
