@@ -6,10 +6,10 @@
 point and restored from a checkpoint (:meth:`PromptSource.state_dict`,
 :meth:`PromptSource.load_state_dict`) neither repeats nor skips a prompt.
 
-The grouped pipeline tells the source what became of each draw (see DESIGN.md,
-"Resumable runs"). A call's draws are recorded through a context variable that the
-pipeline sets around each ``group_rollout`` call (``_draws.py``; child tasks of the call
-inherit it):
+The grouped pipeline tells the source what became of each draw (see
+``docs/checkpoint-resume.md``). A call's draws are recorded through a context variable
+that the pipeline sets around each ``group_rollout`` call (``_draws.py``; child tasks of
+the call inherit it):
 
 - done: the consumer took the group, or the group was filtered;
 - given back, to be drawn again before any new prompt: the call failed, was cancelled,

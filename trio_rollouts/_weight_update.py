@@ -1,7 +1,7 @@
 """Weight updates of a running grouped pipeline: ``stream.weight_update(mode)``.
 
-An update is an async context manager entered by the consumer (see DESIGN.md, "Weight
-updates and staleness"). Its life:
+An update is an async context manager entered by the consumer (see
+``docs/weight-updates.md``). Its life:
 
 1. Checks, before anything pauses: the mode, the epoch (greater than the stream's), the
    backends (a Pausable backend that does not support the mode, or a backend that is not

@@ -35,7 +35,7 @@ Invariants of the merge (each one is a test):
    when it raised, was cancelled, or an actor could not pause. Updates are numbered; an
    actor refuses to begin an update that was already ended, so a begin that Ray runs late
    (actor threads run calls in any order) never leaves an actor paused.
-6. Prompts, exactly once (DESIGN.md, "Resumable runs"): each actor's agent owns a
+6. Prompts, exactly once (``docs/checkpoint-resume.md``): each actor's agent owns a
    disjoint shard of the run's :class:`~trio_rollouts.PromptSource`, built in the actor by
    an agent factory::
 
@@ -57,7 +57,7 @@ Invariants of the merge (each one is a test):
    ``agent.prompts`` before its pipeline opens. Groups in the prefetch that were never
    handed out are not settled: the actors' pipelines give their draws back when they stop,
    and a state fetched meanwhile counts them as not done.
-7. Staleness (DESIGN.md, "Weight updates and staleness"): with ``max_staleness`` ``K``,
+7. Staleness (``docs/weight-updates.md``): with ``max_staleness`` ``K``,
    no group is handed to the consumer with ``policy_epoch - start_epoch > K``, where it
    waited does not matter: the merge checks each group when the consumer takes it (from
    the prefetch, or given back by the sync twin: :func:`put_back`). A group too old is

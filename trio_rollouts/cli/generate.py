@@ -81,11 +81,9 @@ class _PromptListAgent(RewardOnlyAgent):
     def annotate_rollout(
         self, rollout: Rollout | TokenRollout, response: InferenceResponse
     ) -> None:
-        """Keep what the server returned that the rollout's fields do not hold."""
+        """Keep what the server returned that the rollout's fields and the extra keys of
+        ``build_rollouts`` (completion, finish reason, usage) do not hold."""
         completion = response.response.content
-        rollout.extra["completion"] = completion
-        rollout.extra["finish_reason"] = response.finish_reason
-        rollout.extra["usage"] = response.usage
         if isinstance(rollout, Rollout):
             # TokenRollout has logprobs and prompt_length (in tokens) of its own.
             rollout.extra["logprobs"] = response.logprobs

@@ -11,6 +11,7 @@ prompts (:class:`HeadToHeadRolloutGenerator`).
 
 from .._reward_only import REWARD_FUNCTIONS as REWARD_FUNCTIONS
 from .._reward_only import RewardOnlyAgent as RewardOnlyAgent
+from .._reward_only import build_rollouts as build_rollouts
 from .._reward_only import contains_reward as contains_reward
 from .._reward_only import exact_match_reward as exact_match_reward
 from .._reward_only import last_number_reward as last_number_reward

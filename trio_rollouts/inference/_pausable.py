@@ -3,7 +3,7 @@
 A trainer that generates while it trains pushes new weights at each optimizer step. The
 stream's ``weight_update(mode)`` stops generation, lets the body push the weights, and
 resumes under the new *policy epoch*. Backends that can pause implement
-:class:`Pausable`; the four modes (see ``docs/weight-updates.md`` and DESIGN.md):
+:class:`Pausable`; the four modes (see ``docs/weight-updates.md``):
 
 - ``"drain"``: calls in flight finish under the old weights; nothing is asked of the
   backend but to hold new requests (``pause`` is called once no call is in flight).
