@@ -10,7 +10,7 @@ in, the same *timer* the fast path's watchdog cancels at a deadline; and while a
 
 Deadlines. The fast path's first attempts are timed by one watchdog task rather than by
 a cancel scope per call (which would cost more than the rest of a group's trip through
-the pipeline): each worker runs inside a long-lived timer, :meth:`UpdateGate.begin`
+the pipeline): each worker runs inside a long-lived timer, :meth:`UpdateGate.start_clock`
 notes when its call started, and :meth:`UpdateGate.watchdog` cancels the timer of a call
 that comes due. Retries, and attempts on the slow path, run under a ``move_on_after``
 scope each, registered here so that a held update can stop its clock.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+from collections.abc import Sequence
 
 import trio
 
@@ -53,7 +54,6 @@ class UpdateGate:
     """
 
     __slots__ = (
-        "call_epoch",
         "call_started",
         "deadlines",
         "drop_reason",
@@ -86,9 +86,9 @@ class UpdateGate:
         self.queue: collections.deque[trio.Event] = collections.deque()
         #: Unparked whenever a call ends while an update watches.
         self.progress = trio.lowlevel.ParkingLot()
-        # Per worker: the epoch of its call in flight (None when it makes none), and why
-        # an update dropped that call (None when it did not).
-        self.call_epoch: list[int | None] = [None] * workers
+        # Per worker: why an update dropped its call in flight (None when it did not).
+        # Which calls are in flight, and under which epoch each started, is the worker
+        # loop's own record (``Pipeline.call_epoch``), which the update's methods take.
         self.drop_reason: list[DropReason | None] = [None] * workers
         # The epochs of keep/abort updates with a backend that does not stamp where the
         # epoch changed: a call that went on through one is counted in ``mixed``.
@@ -112,20 +112,13 @@ class UpdateGate:
         timer = self.timers[number] = trio.CancelScope()
         return timer
 
-    def begin(self, number: int, clocked: bool) -> int:
-        """Worker ``number`` starts a call: return the epoch it starts under; with
-        ``clocked``, the watchdog times it."""
-        epoch = self.call_epoch[number] = self.epoch
-        if clocked:
-            self.call_started[number] = trio.current_time()
-        return epoch
+    def start_clock(self, number: int) -> None:
+        """Worker ``number`` starts a call that the watchdog times."""
+        self.call_started[number] = trio.current_time()
 
-    def end(self, number: int) -> DropReason | None:
-        """Worker ``number``'s call ended (returned or raised): why an update dropped it,
-        or ``None``. Not a checkpoint."""
-        self.call_epoch[number] = None
-        if not self.watching:
-            return None
+    def ended(self, number: int) -> DropReason | None:
+        """Worker ``number``'s call ended (returned or raised) while an update watches
+        (:attr:`watching`): why the update dropped it, or ``None``. Not a checkpoint."""
         self.progress.unpark_all()
         reason = self.drop_reason[number]
         if reason is None:
@@ -145,11 +138,12 @@ class UpdateGate:
         """Whether a group generated from ``start_epoch`` exceeds ``max_staleness`` now."""
         return exceeds_bound(start_epoch, self.epoch, self.max_staleness)
 
-    def calls_in_flight(self) -> int:
-        """How many calls are in flight and not dropped."""
+    def calls_in_flight(self, call_epoch: Sequence[int | None]) -> int:
+        """How many calls are in flight (``call_epoch``: each worker's, ``None`` for a
+        worker that makes none) and not dropped."""
         return sum(
             1
-            for epoch, reason in zip(self.call_epoch, self.drop_reason, strict=True)
+            for epoch, reason in zip(call_epoch, self.drop_reason, strict=True)
             if epoch is not None and reason is None
         )
 
@@ -180,11 +174,14 @@ class UpdateGate:
         self.updating = True
         self.watching = True
 
-    def drop(self, reason: DropReason, older_than: int | None) -> int:
-        """Cancel the calls in flight (those that started before epoch ``older_than``,
-        or all of them when it is ``None``) to be generated again; return how many."""
+    def drop(
+        self, reason: DropReason, older_than: int | None, call_epoch: Sequence[int | None]
+    ) -> int:
+        """Cancel the calls in flight (``call_epoch``: the epoch each worker's call
+        started under, ``None`` for none) that started before epoch ``older_than``, or
+        all of them when it is ``None``, to be generated again; return how many."""
         dropped = 0
-        for number, epoch in enumerate(self.call_epoch):
+        for number, epoch in enumerate(call_epoch):
             if epoch is None or self.drop_reason[number] is not None:
                 continue
             if older_than is not None and epoch >= older_than:

@@ -261,6 +261,7 @@ class Pipeline:
     __slots__ = (
         "agent",
         "call_draws",
+        "call_epoch",
         "closed",
         "consecutive_filtered",
         "draws",
@@ -338,8 +339,11 @@ class Pipeline:
         self.skipping = self.policy.on_failure == "skip"
         # Whether the gate's watchdog times the fast path's first attempts.
         self.timed = self.fast and self.group_timeout is not None
-        # Per worker: the epoch its last call that returned started under (the slow
-        # path's start_epoch), and that call's prompt draws.
+        # Per worker: the epoch of its call in flight (None when it makes none: the
+        # workers' own record, which weight updates read through drop_calls), the epoch
+        # its last call that returned started under (the slow path's start_epoch), and
+        # that call's prompt draws.
+        self.call_epoch: list[int | None] = [None] * workers
         self.result_epoch: list[int] = [0] * workers
         self.call_draws: list[list[Draw]] = [[] for _ in range(workers)]
         # With a staleness bound, a group found too old when it is taken is generated
@@ -414,6 +418,16 @@ class Pipeline:
         self.draws.give_back(slot)
         self.slots.put_first(*slot)
 
+    def drop_calls(self, reason: DropReason, older_than: int | None) -> int:
+        """A weight update drops the calls in flight that started before epoch
+        ``older_than`` (all of them when ``None``); return how many."""
+        return self.gate.drop(reason, older_than, self.call_epoch)
+
+    def calls_going_on(self) -> int:
+        """How many calls are in flight and not dropped (a keep/abort update holds
+        them)."""
+        return self.gate.calls_in_flight(self.call_epoch)
+
     def advance_epoch(self, epoch: int, *, stamped: bool) -> None:
         """A weight update's body returned: calls start under ``epoch`` from now on, and
         groups held for ordering that are now too old go back to their slots (groups in
@@ -454,6 +468,8 @@ class Pipeline:
         gate = self.gate
         slots = self.slots
         timed = self.timed
+        call_epoch = self.call_epoch
+        woken = False
         while True:
             if resume is not None:
                 batch_id, index, late = resume
@@ -478,12 +494,13 @@ class Pipeline:
                 # A worker released from send during shutdown must not start a new call
                 # (this does not yield unless cancelled).
                 await trio.lowlevel.checkpoint_if_cancelled()
-                slot = slots.claim()
+                slot = slots.claim(woken)
+                woken = False
                 if slot is None:
                     if not self.park_when_idle:
                         return None
                     await slots.idle_workers.park()
-                    slots.woke()
+                    woken = True
                     continue
                 batch_id, index = slot
                 if not self.fast:
@@ -498,16 +515,18 @@ class Pipeline:
                         await gate.wait(slot)
                     ledger.started += 1
                     ledger.in_flight += 1
-                    epoch = gate.begin(number, timed)
+                    epoch = call_epoch[number] = gate.epoch
+                    if timed:
+                        gate.start_clock(number)
                     failure: BaseException | None = None
                     try:
                         result = await self.generate(batch_id, index)
                     except BaseException as exc:
                         ledger.in_flight -= 1
+                        call_epoch[number] = None
                         if timed:
                             gate.stop_clock(number)
-                        reason = gate.end(number)
-                        if reason is not None:
+                        if gate.watching and (reason := gate.ended(number)) is not None:
                             self.book_dropped(reason)
                             return (batch_id, index, None)
                         if timer.cancel_called:
@@ -524,8 +543,8 @@ class Pipeline:
                         failure = exc
                     else:
                         ledger.in_flight -= 1
-                        reason = gate.end(number)
-                        if reason is not None:
+                        call_epoch[number] = None
+                        if gate.watching and (reason := gate.ended(number)) is not None:
                             # Returned after the update cancelled it: dropped all the
                             # same.
                             if timed:
@@ -568,12 +587,12 @@ class Pipeline:
                 try:
                     await self.send_channel.send(group)
                 except BaseException as exc:
-                    slots.sender_unblocked(sent=False)
+                    slots.sender_unblocked(False)
                     if isinstance(exc, trio.Cancelled):
                         ledger.pending -= 1
                         ledger.cancelled += 1  # a finished group nobody took
                     raise
-                slots.sender_unblocked(sent=True)
+                slots.sender_unblocked(True)
             if not self.park_when_idle:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
@@ -702,7 +721,7 @@ class Pipeline:
             await gate.wait((batch_id, index))
         ledger.started += 1
         ledger.in_flight += 1
-        epoch = gate.begin(number, False)
+        epoch = self.call_epoch[number] = gate.epoch
         if env is not None:
             env.started += 1
         try:
@@ -721,16 +740,16 @@ class Pipeline:
                     raise self.timeout_error(batch_id, index)
         except BaseException as exc:
             ledger.in_flight -= 1
-            reason = gate.end(number)
-            if reason is not None:
+            self.call_epoch[number] = None
+            if gate.watching and (reason := gate.ended(number)) is not None:
                 self.book_dropped(reason)
                 raise _Dropped(batch_id, index) from None
             if self.call_raised(exc, env) and not isinstance(exc, Exception):
                 ledger.raised += 1
             raise
         ledger.in_flight -= 1
-        reason = gate.end(number)
-        if reason is not None:
+        self.call_epoch[number] = None
+        if gate.watching and (reason := gate.ended(number)) is not None:
             self.book_dropped(reason)
             raise _Dropped(batch_id, index)
         ledger.completed += 1

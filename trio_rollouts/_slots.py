@@ -67,8 +67,12 @@ class Slots:
         batch_id = self.next_batch_id
         self.next_batch_id += 1
         self.outstanding += 1
-        self.free.extend((batch_id, index) for index in range(self.num_groups))
-        self.wake_workers()
+        free = self.free
+        free.extend((batch_id, index) for index in range(self.num_groups))
+        # wake_workers(), inline: a streaming pipeline submits a batch per batch taken.
+        needed = len(free) - self.coming_to_claim
+        if needed > 0:
+            self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
 
     def put_first(self, batch_id: int, index: int) -> None:
         """Generate the slot again, before any other free slot (a stale group's)."""
@@ -84,9 +88,16 @@ class Slots:
         if needed > 0:
             self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
 
-    def claim(self) -> tuple[int, int] | None:
+    def claim(self, woken: bool) -> tuple[int, int] | None:
         """The next free slot for the calling worker, or ``None`` when there is none (it
-        then parks in :attr:`idle_workers` and calls :meth:`woke` when unparked)."""
+        then parks in :attr:`idle_workers`); ``woken``: the worker was just unparked to
+        claim, and is no longer coming.
+
+        (The workers park and send inline, with these methods keeping the books around
+        the awaits: a coroutine layer of ours on those paths would cost on every
+        suspension and resumption, once per group.)"""
+        if woken:
+            self.coming_to_claim -= 1
         free = self.free
         if not free:
             return None
@@ -96,14 +107,6 @@ class Slots:
         if needed > 0:
             self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
         return slot
-
-    def woke(self) -> None:
-        """A worker parked in :attr:`idle_workers` was unparked to claim a slot.
-
-        (The workers park and send inline, with these methods keeping the books around
-        the awaits: a coroutine layer of ours on those paths would cost on every
-        suspension and resumption, once per group.)"""
-        self.coming_to_claim -= 1
 
     # ---------------------------------------------------------------- the channel
 

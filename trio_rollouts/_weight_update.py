@@ -166,11 +166,11 @@ async def open_weight_update(
         # Before the body: settle the calls in flight, then pause the backends.
         bound = gate.max_staleness
         if checked == "restart":
-            update.held = gate.drop(DropReason.RESTART, None)
+            update.held = p.drop_calls(DropReason.RESTART, None)
         elif bound is not None:
-            update.held = gate.drop(DropReason.STALE, new_epoch - bound)
+            update.held = p.drop_calls(DropReason.STALE, new_epoch - bound)
         if checked in ("keep", "abort"):
-            update.held += gate.calls_in_flight()
+            update.held += p.calls_going_on()
             gate.freeze()
             while gate.dropping():
                 await gate.wait_for_progress()
