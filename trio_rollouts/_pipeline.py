@@ -152,7 +152,7 @@ from ._ledger import EnvironmentCounters, Ledger
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._models import checked_group as prechecked_group
 from ._order import BatchOrder
-from ._slots import Slots
+from ._slots import PARKED, SENT, Slots
 from ._stream import RolloutStream, discard_untaken, open_stream
 from .inference import Pausable
 from .inference._interface import require_raw
@@ -469,7 +469,9 @@ class Pipeline:
         slots = self.slots
         timed = self.timed
         call_epoch = self.call_epoch
-        woken = False
+        # How this worker last stopped waiting, for Slots.claim's books: PARKED or SENT
+        # (unparked, or woken from a full channel's send, to claim next), or 0.
+        woken = 0
         while True:
             if resume is not None:
                 batch_id, index, late = resume
@@ -495,12 +497,12 @@ class Pipeline:
                 # (this does not yield unless cancelled).
                 await trio.lowlevel.checkpoint_if_cancelled()
                 slot = slots.claim(woken)
-                woken = False
+                woken = 0
                 if slot is None:
                     if not self.park_when_idle:
                         return None
                     await slots.idle_workers.park()
-                    woken = True
+                    woken = PARKED
                     continue
                 batch_id, index = slot
                 if not self.fast:
@@ -587,12 +589,12 @@ class Pipeline:
                 try:
                     await self.send_channel.send(group)
                 except BaseException as exc:
-                    slots.sender_unblocked(False)
+                    slots.sender_cancelled()
                     if isinstance(exc, trio.Cancelled):
                         ledger.pending -= 1
                         ledger.cancelled += 1  # a finished group nobody took
                     raise
-                slots.sender_unblocked(True)
+                woken = SENT  # booked by the next claim
             if not self.park_when_idle:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:

@@ -17,7 +17,12 @@ import collections
 
 import trio
 
-__all__ = ["Slots"]
+__all__ = ["PARKED", "SENT", "Slots"]
+
+#: How a worker that claims last stopped waiting (see :meth:`Slots.claim`): unparked
+#: from the idle workers, or woken from a full channel's ``send`` by a receive.
+PARKED = 1
+SENT = 2
 
 
 class Slots:
@@ -88,16 +93,21 @@ class Slots:
         if needed > 0:
             self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
 
-    def claim(self, woken: bool) -> tuple[int, int] | None:
+    def claim(self, woken: int) -> tuple[int, int] | None:
         """The next free slot for the calling worker, or ``None`` when there is none (it
-        then parks in :attr:`idle_workers`); ``woken``: the worker was just unparked to
-        claim, and is no longer coming.
+        then parks in :attr:`idle_workers`). ``woken`` says how the worker last stopped
+        waiting, so that it is no longer counted as coming: :data:`PARKED` (unparked to
+        claim), :data:`SENT` (its ``send`` into a full channel returned: see
+        :meth:`sender_blocked`), or 0.
 
         (The workers park and send inline, with these methods keeping the books around
         the awaits: a coroutine layer of ours on those paths would cost on every
         suspension and resumption, once per group.)"""
         if woken:
             self.coming_to_claim -= 1
+            if woken == SENT:
+                self.blocked_senders -= 1
+                self.woken_senders -= 1
         free = self.free
         if not free:
             return None
@@ -122,16 +132,15 @@ class Slots:
             self.coming_to_claim += 1
 
     def sender_blocked(self) -> None:
-        """A worker's ``send_nowait`` found the buffer full: it waits in ``send``."""
+        """A worker's ``send_nowait`` found the buffer full: it waits in ``send``. When
+        the send returns (woken by a receive, counted in :meth:`channel_received`), the
+        worker's next :meth:`claim` books it (``woken=SENT``); when it is cancelled,
+        :meth:`sender_cancelled`."""
         self.blocked_senders += 1
 
-    def sender_unblocked(self, sent: bool) -> None:
-        """The worker's ``send`` returned (``sent``: woken by a receive, counted in
-        :meth:`channel_received`, and it will claim next) or was cancelled."""
+    def sender_cancelled(self) -> None:
+        """A worker blocked in ``send`` was cancelled (it will not claim)."""
         self.blocked_senders -= 1
-        if sent:
-            self.woken_senders -= 1
-            self.coming_to_claim -= 1
 
     # ---------------------------------------------------------------- takes
 
