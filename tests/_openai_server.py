@@ -18,9 +18,12 @@ client: the backend under test speaks real HTTP over loopback.
 Its ``control`` setting serves a server's weight-update control endpoints, modelled on
 their documented behaviour (``docs/pausing-servers.md``):
 
-- ``"vllm"``: ``POST /pause?mode=abort|keep|wait`` (query parameters; ``abort`` by
-  default) and ``POST /resume``; with ``dev_mode=False`` they are not mounted (404), as
-  in vLLM >= 0.16 without ``VLLM_SERVER_DEV_MODE=1``. A chat request with
+- ``"vllm"``: ``POST /pause?mode=abort|keep|wait&clear_cache=...`` (query parameters;
+  ``abort`` and ``clear_cache=true`` by default) and ``POST /resume``; with
+  ``dev_mode=False`` they are not mounted (404), as in vLLM >= 0.16 without
+  ``VLLM_SERVER_DEV_MODE=1``. As vLLM 0.32 does, a pause without ``clear_cache=false``
+  resets the caches, preempting every running request (``preempted``) and emptying the
+  prefix cache (``cache_resets``), in keep mode too. A chat request with
   ``continue_final_message`` must also send ``add_generation_prompt: false`` (400).
 - ``"sglang"``: ``POST /pause_generation {"mode": "abort"|"in_place"}`` (``abort`` by
   default), ``POST /continue_generation``, ``POST /update_weight_version
@@ -33,7 +36,15 @@ its partial output (the first ``abort_after`` characters of its completion, half
 default) and ``finish_reason: "abort"``. The "model" is deterministic: a request that
 continues an aborted one (a final assistant message with ``continue_final_message``,
 or a completions prompt followed by the partial text) is answered with the rest of the
-completion it was aborted in.
+completion it was aborted in. A ``/v1/completions`` prompt may be a list of token ids
+(vLLM, SGLang): one that is the context of an aborted request (its prompt's ids and the
+ids it generated) is answered with the rest too.
+
+Token ids: a generated character is one token (its code point); with
+``special_every=k``, every ``k``-th generated token is also followed by
+:data:`SPECIAL_ID`, a special token that the text leaves out, as vLLM's
+``skip_special_tokens`` does. A chat prompt's ids are its messages' lengths; a text
+prompt's, its characters'.
 """
 
 from __future__ import annotations
@@ -60,6 +71,9 @@ from trio_rollouts.inference import InferenceError, InferenceInterface, Inferenc
 
 #: Prompt-token log-probability the default reply reports for every generated token.
 DEFAULT_LOGPROB = -0.5
+
+#: A special token: generated (with ``special_every``) but never in the text.
+SPECIAL_ID = 100_000
 
 #: The request fields of the core OpenAI API that the backend may send.
 CORE_FIELDS = frozenset(
@@ -135,7 +149,14 @@ class FakeOpenAIServer:
     aborted: list[str] = attrs.field(factory=list)
     _resumed: trio.Event = attrs.field(factory=trio.Event)
     _running_scopes: set[trio.CancelScope] = attrs.field(factory=set)
+    #: Insert :data:`SPECIAL_ID` after every this many generated tokens (None: never).
+    special_every: int | None = None
+    #: Running requests preempted, and caches reset, by pauses without clear_cache=false.
+    preempted: int = 0
+    cache_resets: int = 0
     _continuations: dict[tuple[str, str], str] = attrs.field(factory=dict)
+    # An aborted request's context (prompt ids + generated ids) -> the rest of its text.
+    _id_continuations: dict[tuple[int, ...], str] = attrs.field(factory=dict)
     _changed: trio.Event = attrs.field(factory=trio.Event)
 
     def reply(self, *replies: Reply) -> None:
@@ -200,7 +221,14 @@ class FakeOpenAIServer:
         if status is not None:
             return JSONResponse({"error": f"{path} failed"}, status_code=status)
         if path == "/pause":
-            mode = parse_qs(request.url.query).get("mode", ["abort"])[0]
+            query = parse_qs(request.url.query)
+            mode = query.get("mode", ["abort"])[0]
+            if query.get("clear_cache", ["true"])[0].lower() != "false":
+                # vLLM 0.32: the caches are reset with the running requests preempted,
+                # whatever the mode (its docstring says keep ignores the flag).
+                self.cache_resets += 1
+                if mode == "keep":
+                    self.preempted += self.running
             self._pause(mode)
             return JSONResponse({"status": "paused"})
         if path == "/pause_generation":
@@ -247,6 +275,10 @@ class FakeOpenAIServer:
                 return base, prefix, f"{self.name}: {messages[-2]['content']}"
             return json.dumps(messages), "", f"{self.name}: {messages[-1]['content']}"
         prompt = body["prompt"]
+        if isinstance(prompt, list):  # token ids
+            base = json.dumps(prompt)
+            rest = self._id_continuations.get(tuple(prompt))
+            return base, "", rest if rest is not None else f"{self.name}: {len(prompt)} ids"
         for (base, prefix), rest in self._continuations.items():
             if prefix and base + prefix == prompt:
                 return base, prefix, rest
@@ -303,6 +335,8 @@ class FakeOpenAIServer:
             keep = len(text) // 2 if self.abort_after is None else self.abort_after
             partial = text[:keep]
             self._continuations[(base, prefix + partial)] = text[keep:]
+            context = self._prompt_ids(chat, body) + self.token_ids(partial)
+            self._id_continuations[tuple(context)] = text[keep:]
             self.aborted.append(partial)
             self._notify()
             return JSONResponse(self._completion(request, body, Reply(), partial, "abort"))
@@ -320,6 +354,23 @@ class FakeOpenAIServer:
         if payload is None:
             payload = self._completion(request, body, reply, text, "stop")
         return JSONResponse(payload, status_code=reply.status, headers=reply.headers)
+
+    def token_ids(self, text: str) -> list[int]:
+        """The ids of generated ``text``: a code point per character, and
+        :data:`SPECIAL_ID` after every ``special_every``-th (which the text leaves out)."""
+        ids: list[int] = []
+        for number, char in enumerate(text, 1):
+            ids.append(ord(char))
+            if self.special_every is not None and number % self.special_every == 0:
+                ids.append(SPECIAL_ID)
+        return ids
+
+    @staticmethod
+    def _prompt_ids(chat: bool, body: dict[str, Any]) -> list[int]:
+        if chat:
+            return [len(m["content"]) for m in body["messages"]]
+        prompt = body["prompt"]
+        return list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt]
 
     def _refusal(self, body: dict[str, Any]) -> Response | None:
         if self.unknown_fields is None:
@@ -340,15 +391,13 @@ class FakeOpenAIServer:
         self, request: Request, body: dict[str, Any], reply: Reply, text: str, finish: str
     ) -> Any:
         chat = request.url.path.endswith("/chat/completions")
-        if chat:
-            prompt_ids = [len(m["content"]) for m in body["messages"]]
-        else:
-            prompt_ids = [ord(c) for c in body["prompt"]]
+        prompt_ids = self._prompt_ids(chat, body)
+        generated_ids = self.token_ids(text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         usage = {
             "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(text),
-            "total_tokens": len(prompt_ids) + len(text),
+            "completion_tokens": len(generated_ids),
+            "total_tokens": len(prompt_ids) + len(generated_ids),
         }
         top: dict[str, Any] = {"id": "cmpl-test", "model": body.get("model"), "usage": usage}
         if chat:
@@ -358,19 +407,20 @@ class FakeOpenAIServer:
             top["object"] = "text_completion"
             choice["text"] = text
         if body.get("return_token_ids"):
-            choice["token_ids"] = [ord(c) for c in text]
+            choice["token_ids"] = generated_ids
             if chat:
                 top["prompt_token_ids"] = prompt_ids
             else:
                 choice["prompt_token_ids"] = prompt_ids
         if body.get("logprobs"):
+            tokens = [chr(i) if i != SPECIAL_ID else "" for i in generated_ids]
             if chat:
-                content = [{"token": c, "logprob": DEFAULT_LOGPROB} for c in text]
+                content = [{"token": t, "logprob": DEFAULT_LOGPROB} for t in tokens]
                 choice["logprobs"] = {"content": content}
             else:
                 choice["logprobs"] = {
-                    "tokens": list(text),
-                    "token_logprobs": [DEFAULT_LOGPROB] * len(text),
+                    "tokens": tokens,
+                    "token_logprobs": [DEFAULT_LOGPROB] * len(tokens),
                 }
         choice.update(reply.choice_extra)
         top.update(reply.top_extra)

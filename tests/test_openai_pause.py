@@ -22,6 +22,7 @@ from trio_rollouts.inference import (
     InferenceError,
     InferenceRequest,
     InferenceResponse,
+    MalformedResponseError,
     OpenAIInference,
     RetryBackoff,
     ServerError,
@@ -74,11 +75,15 @@ class Call:
 
     def __init__(self) -> None:
         self.result: InferenceResponse | None = None
+        self.error: InferenceError | None = None
         self.scope = trio.CancelScope()
 
     async def run(self, interface: OpenAIInference, request: InferenceRequest) -> None:
         with self.scope:
-            self.result = await interface.agenerate(request)
+            try:
+                self.result = await interface.agenerate(request)
+            except InferenceError as error:
+                self.error = error
 
 
 def start(nursery: trio.Nursery, interface: OpenAIInference, request: InferenceRequest) -> Call:
@@ -171,6 +176,10 @@ async def test_vllm_keep_holds_calls_in_flight_and_new_ones_until_resume(
             await vllm.wait_running(1)
             await interface.pause("keep")
             assert vllm.paused == "keep"
+            # vLLM 0.32 resets its caches on a keep pause unless told not to, preempting
+            # the running request (its KV cache recomputed at resume) and emptying the
+            # prefix cache: the pause must keep both.
+            assert (vllm.preempted, vllm.cache_resets) == (0, 0)
             vllm.gate.set()  # type: ignore[union-attr]  # its generation could end now...
             second = start(nursery, interface, ask(interface, "two"))
             await eventually(lambda: interface.statistics().held == 1)
@@ -185,7 +194,10 @@ async def test_vllm_keep_holds_calls_in_flight_and_new_ones_until_resume(
     assert (first.result.response.content, first.result.finish_reason) == ("a: one", "stop")
     assert first.result.policy_epoch == [(0, 0)]  # started under 0: no boundary known
     assert second.result.policy_epoch == [(0, 1)]
-    assert vllm.control_received == [("/pause?mode=keep", None), ("/resume", None)]
+    assert vllm.control_received == [
+        ("/pause?mode=keep&clear_cache=false", None),
+        ("/resume", None),
+    ]
     assert vllm.aborted == []
 
 
@@ -227,9 +239,13 @@ async def test_sglang_sends_the_weight_version_without_aborting_for_drain_too(
 # --------------------------------------------------------------------------- abort
 
 
-async def test_vllm_abort_continues_a_chat_call_from_its_partial_output(
+async def test_vllm_abort_continues_a_chat_call_exactly_from_its_token_ids(
     vllm: FakeOpenAIServer,
 ) -> None:
+    # Every 3rd generated token is followed by a special token that the text leaves out,
+    # as vLLM's text does: a continuation sent as text would be retokenized without
+    # them, and the merged ids would claim a context the model never continued from.
+    vllm.special_every = 3
     interface = make(vllm.base_url, server="vllm")
     request = ask(interface, "hello world", max_tokens=100)
     with trio.fail_after(PROMPT):
@@ -239,7 +255,92 @@ async def test_vllm_abort_continues_a_chat_call_from_its_partial_output(
             await interface.pause("abort")
             await eventually(lambda: interface.statistics().held == 1)
             assert vllm.aborted == ["a: hell"]  # half of "a: hello world"
+            assert vllm.cache_resets == 0  # the prefix cache the continuation reuses
             assert len(vllm.received) == 1  # the continuation waits for resume
+            vllm.gate.set()  # type: ignore[union-attr]
+            await interface.resume(1)
+    full, partial = "a: hello world", "a: hell"
+    assert call.result is not None
+    result = call.result
+    assert (result.response.content, result.finish_reason) == (full, "stop")
+    assert result.token_ids is not None
+    assert result.prompt_length is not None
+    first = vllm.received[0].body
+    prompt_ids = [len(message["content"]) for message in first["messages"]]
+    continuation = vllm.received[1]
+    # The continuation is a completions request whose prompt is the exact ids so far:
+    # the prompt's and the partial output's, special tokens included.
+    assert continuation.path == "/v1/completions"
+    sent = continuation.body
+    assert sent["prompt"] == prompt_ids + vllm.token_ids(partial)
+    assert "messages" not in sent
+    assert "continue_final_message" not in sent
+    assert sent["max_tokens"] == 100 - len(vllm.token_ids(partial))
+    assert sent["return_token_ids"] is True
+    assert sent["logprobs"] == 1
+    # The merged ids are the context the server continued from, then what it generated.
+    assert result.token_ids == sent["prompt"] + vllm.token_ids(full[len(partial) :])
+    assert result.prompt_length == len(prompt_ids)
+    assert result.logprobs is not None
+    assert len(result.logprobs) == len(result.token_ids) - result.prompt_length
+    assert result.usage is not None
+    assert result.usage["completion_tokens"] == len(result.token_ids) - result.prompt_length
+    assert result.policy_epoch == [(0, 0)]
+    assert vllm.control_received == [
+        ("/pause?mode=abort&clear_cache=false", None),
+        ("/resume", None),
+    ]
+
+
+async def test_an_exact_continuation_without_max_tokens_asks_for_the_rest_of_the_context(
+    vllm: FakeOpenAIServer,
+) -> None:
+    # /v1/completions defaults to 16 tokens; the chat request it continues had no limit.
+    interface = make(vllm.base_url, server="vllm")
+    with trio.fail_after(PROMPT):
+        async with trio.open_nursery() as nursery:
+            call = start(nursery, interface, ask(interface, "hello world"))
+            await vllm.wait_running(1)
+            await interface.pause("abort")
+            await eventually(lambda: interface.statistics().held == 1)
+            vllm.gate.set()  # type: ignore[union-attr]
+            await interface.resume(1)
+    assert call.result is not None
+    sent = vllm.received[1].body
+    assert "max_tokens" in sent
+    assert sent["max_tokens"] is None
+
+
+async def test_a_continuation_that_echoes_other_prompt_ids_is_an_error(
+    vllm: FakeOpenAIServer,
+) -> None:
+    interface = make(vllm.base_url, server="vllm")
+    vllm.reply(Reply(), Reply(top_extra={}, choice_extra={"prompt_token_ids": [1, 2, 3]}))
+    with trio.fail_after(PROMPT):
+        async with trio.open_nursery() as nursery:
+            call = start(nursery, interface, ask(interface, "hello world"))
+            await vllm.wait_running(1)
+            await interface.pause("abort")
+            await eventually(lambda: interface.statistics().held == 1)
+            vllm.gate.set()  # type: ignore[union-attr]
+            await interface.resume(1)
+    assert isinstance(call.error, MalformedResponseError)
+    assert "from other tokens than it was sent" in str(call.error)
+    assert "first at index 0" in str(call.error)
+
+
+async def test_vllm_abort_without_token_ids_continues_a_chat_call_from_its_text(
+    vllm: FakeOpenAIServer,
+) -> None:
+    interface = make(vllm.base_url, server="vllm", return_token_ids=False)
+    request = ask(interface, "hello world", max_tokens=100)
+    with trio.fail_after(PROMPT):
+        async with trio.open_nursery() as nursery:
+            call = start(nursery, interface, request)
+            await vllm.wait_running(1)
+            await interface.pause("abort")
+            await eventually(lambda: interface.statistics().held == 1)
+            assert vllm.aborted == ["a: hell"]  # half of "a: hello world"
             vllm.gate.set()  # type: ignore[union-attr]
             await interface.resume(1)
     full = "a: hello world"
@@ -248,25 +349,24 @@ async def test_vllm_abort_continues_a_chat_call_from_its_partial_output(
     assert (result.response.content, result.finish_reason) == (full, "stop")
     assert result.usage is not None
     assert result.usage["completion_tokens"] == len(full)  # summed over both segments
-    assert result.token_ids is not None
-    assert result.prompt_length is not None
-    assert result.token_ids[result.prompt_length :] == [ord(c) for c in full]
+    assert result.token_ids is None
     assert result.logprobs is not None
     assert len(result.logprobs) == len(full)
-    assert result.policy_epoch == [(0, 0)]
     continuation = vllm.received[1].body
+    assert vllm.received[1].path == "/v1/chat/completions"
     assert continuation["messages"][-1] == {"role": "assistant", "content": "a: hell"}
     assert continuation["continue_final_message"] is True
     assert continuation["add_generation_prompt"] is False
     assert continuation["max_tokens"] == 100 - len("a: hell")
-    assert vllm.control_received == [("/pause?mode=abort", None), ("/resume", None)]
 
 
 async def test_sglang_abort_continues_a_completions_call_from_prompt_and_partial_text(
     sglang: FakeOpenAIServer,
 ) -> None:
     sglang.abort_after = 0  # aborted before its first token: an empty partial output
-    interface = make(sglang.base_url, server="sglang", endpoint="completions")
+    interface = make(
+        sglang.base_url, server="sglang", endpoint="completions", return_token_ids=False
+    )
     with trio.fail_after(PROMPT):
         async with trio.open_nursery() as nursery:
             call = start(nursery, interface, ask(interface))
@@ -336,9 +436,12 @@ async def test_a_failed_pause_resumes_the_replicas_that_paused(transport: str) -
                 good.gate.set()  # type: ignore[union-attr]
     assert isinstance(info.value.__cause__, ServerError)
     assert (good.paused, bad.paused) == (None, None)
-    assert good.control_received == [("/pause?mode=keep", None), ("/resume", None)]
+    assert good.control_received == [
+        ("/pause?mode=keep&clear_cache=false", None),
+        ("/resume", None),
+    ]
     # A 500 leaves the replica's state unknown, so it is resumed too.
-    assert bad.control_received == [("/pause?mode=keep", None), ("/resume", None)]
+    assert bad.control_received == [("/pause?mode=keep&clear_cache=false", None), ("/resume", None)]
     assert interface.policy_epoch == 0
     assert call.result is not None
     assert call.result.response.content == "a: hello"
@@ -362,7 +465,11 @@ async def test_a_failed_resume_is_raised_and_retried_by_the_next_resume(
         del vllm.control_status["/resume"]
         await interface.resume(1)
     assert vllm.paused is None
-    assert [path for path, _ in vllm.control_received] == ["/pause?mode=keep", "/resume", "/resume"]
+    assert [path for path, _ in vllm.control_received] == [
+        "/pause?mode=keep&clear_cache=false",
+        "/resume",
+        "/resume",
+    ]
 
 
 async def test_control_calls_are_retried_through_stamina_as_requests_are(
@@ -381,7 +488,9 @@ async def test_control_calls_are_retried_through_stamina_as_requests_are(
                 await interface.resume(1)
     finally:
         stamina.instrumentation.set_on_retry_hooks(None)
-    assert [path for path, _ in vllm.control_received] == ["/pause?mode=keep"] + ["/resume"] * 3
+    assert [path for path, _ in vllm.control_received] == ["/pause?mode=keep&clear_cache=false"] + [
+        "/resume"
+    ] * 3
     assert waits == [0.01, 0.01]
     assert "gave up after 3 attempts (max_retries=2)" in info.value.__notes__
 
@@ -395,7 +504,10 @@ async def test_resume_is_idempotent(vllm: FakeOpenAIServer) -> None:
         await interface.resume(5)
         await interface.resume(5)
     assert interface.policy_epoch == 5
-    assert vllm.control_received == [("/pause?mode=keep", None), ("/resume", None)]
+    assert vllm.control_received == [
+        ("/pause?mode=keep&clear_cache=false", None),
+        ("/resume", None),
+    ]
 
 
 async def test_resume_is_shielded_from_cancellation(vllm: FakeOpenAIServer) -> None:
@@ -485,15 +597,19 @@ def test_a_server_pause_left_by_one_run_is_resumed_by_the_next() -> None:
             return scope.cancelled_caught
 
         assert not trio.run(second_run)
-    assert [path for path, _ in fake.control_received] == ["/pause?mode=keep", "/resume", "/resume"]
+    assert [path for path, _ in fake.control_received] == [
+        "/pause?mode=keep&clear_cache=false",
+        "/resume",
+        "/resume",
+    ]
 
 
 async def test_a_chat_call_aborted_before_its_first_token_is_sent_again() -> None:
-    """An empty final assistant message would be rendered as a closed turn: a call
-    aborted before any text is sent again as it was."""
+    """Without token ids, an empty final assistant message would be rendered as a closed
+    turn: a call aborted before any text is sent again as it was."""
     fake = FakeOpenAIServer(name="b", control="vllm", gate=trio.Event(), abort_after=0)
     async with serving(fake):
-        interface = make(fake.base_url, server="vllm")
+        interface = make(fake.base_url, server="vllm", return_token_ids=False)
         call = Call()
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
@@ -592,5 +708,8 @@ async def test_a_stream_update_pauses_the_vllm_server_and_continues_its_calls(
     assert stats.mixed == 2
     assert all(g[0].policy_epoch == [[(0, 0)]] for g in groups)
     assert stats.unaccounted == 0
-    assert vllm.control_received[:2] == [(f"/pause?mode={mode}", None), ("/resume", None)]
+    assert vllm.control_received[:2] == [
+        (f"/pause?mode={mode}&clear_cache=false", None),
+        ("/resume", None),
+    ]
     assert interface.policy_epoch == 1

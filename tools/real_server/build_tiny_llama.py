@@ -49,16 +49,17 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build(out_dir: Path, *, seed: int = 0) -> Path:
-    """Save the tokenizer and a random Llama (hidden 64, 2 layers, 4 heads) in ``out_dir``."""
+def build(out_dir: Path, *, seed: int = 0, heads: int = 4) -> Path:
+    """Save the tokenizer and a random Llama (hidden 64, 2 layers, ``heads`` heads) in
+    ``out_dir``. vLLM's CPU attention needs a head size of 32 or more: ``heads=2``."""
     tokenizer = byte_level_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -81,4 +82,6 @@ def build(out_dir: Path, *, seed: int = 0) -> Path:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="where to save the model (created)")
-    print(build(parser.parse_args().directory))
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (vLLM: 2)")
+    options = parser.parse_args()
+    print(build(options.directory, heads=options.heads))

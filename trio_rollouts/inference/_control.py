@@ -12,8 +12,9 @@ continuation become one.
 
 The endpoints (``docs/pausing-servers.md``):
 
-- vLLM (the router mounted only with ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep``
-  or ``?mode=abort`` (query parameters, no body), ``POST /resume``. Requests that arrive
+- vLLM (the router mounted only with ``VLLM_SERVER_DEV_MODE=1``): ``POST
+  /pause?mode=keep&clear_cache=false`` or ``?mode=abort&clear_cache=false`` (query
+  parameters, no body), ``POST /resume``. Requests that arrive
   while it is paused are admitted and held until resume.
 - SGLang: ``POST /pause_generation {"mode": "in_place" | "abort"}``, ``POST
   /continue_generation {}``, and ``POST /update_weight_version {"new_version": ...,
@@ -48,6 +49,7 @@ __all__ = [
     "missing_endpoint_hint",
     "pause_call",
     "resume_calls",
+    "token_continuation_body",
 ]
 
 #: The servers whose control endpoints :class:`OpenAIInference` knows.
@@ -115,7 +117,11 @@ def control_root(base_url: str) -> str:
 def pause_call(server: ServerKind, mode: WeightUpdateMode) -> ControlCall:
     """The request that pauses ``server`` for ``mode`` (``keep`` or ``abort``)."""
     if server == "vllm":
-        return f"/pause?mode={mode}", None
+        # clear_cache defaults to true in vLLM 0.32 and then, whatever the route's
+        # docstring says, resets the caches with every running request preempted: keep
+        # would lose the KV cache it exists to keep, and abort would empty the prefix
+        # cache its continuations reuse.
+        return f"/pause?mode={mode}&clear_cache=false", None
     return "/pause_generation", {"mode": "in_place" if mode == "keep" else "abort"}
 
 
@@ -141,7 +147,7 @@ def missing_endpoint_hint(server: ServerKind, path: str) -> str:
         return (
             f"; vLLM serves {path.split('?', 1)[0]} only when started with "
             "VLLM_SERVER_DEV_MODE=1 (set it in the server's environment; pause modes need "
-            "vLLM >= 0.15), or pass server=None to pause client-side only (drain, restart)"
+            "vLLM >= 0.16), or pass server=None to pause client-side only (drain, restart)"
         )
     return (
         f"; this SGLang does not serve {path}: upgrade SGLang, or pass server=None to pause "
@@ -305,6 +311,27 @@ def _completion_tokens(response: InferenceResponse) -> int | None:
     return None
 
 
+#: What ``max_tokens`` becomes in a continuation when the first request left it unset:
+#: ``None`` ("the rest of the context"). ``/v1/completions`` defaults to 16 tokens,
+#: ``/v1/chat/completions`` to the rest of the context, so leaving it out would cut a
+#: chat continuation short.
+_REST_OF_CONTEXT: Final = None
+
+
+def _remaining_max_tokens(body: dict[str, Any], partial: InferenceResponse) -> tuple[bool, Any]:
+    """``(used_up, max_tokens)`` for a continuation of ``body`` after ``partial``: the
+    first request's ``max_tokens`` less the tokens already generated, or the value as
+    it was when the count is unknown."""
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        used = _completion_tokens(partial)
+        if used is not None:
+            if max_tokens - used <= 0:
+                return True, None
+            return False, max_tokens - used
+    return False, max_tokens
+
+
 def continuation_body(
     server: ServerKind,
     endpoint: Literal["chat", "completions"],
@@ -312,22 +339,25 @@ def continuation_body(
     partial: InferenceResponse,
     generated: str,
 ) -> dict[str, Any] | None:
-    """The request that continues ``body`` after the server aborted it: ``generated``
-    (the text of every segment so far) appended, ``max_tokens`` reduced by the tokens
-    ``partial`` generated. ``None`` when ``max_tokens`` is already used up.
+    """The request that continues ``body`` from its *text* after the server aborted it,
+    when the partial response has no token ids (:func:`token_continuation_body` is the
+    exact one): ``generated`` (the text of every segment so far) appended, ``max_tokens``
+    reduced by the tokens ``partial`` generated. ``None`` when ``max_tokens`` is already
+    used up.
 
     Chat: the text becomes a final assistant message that the model continues
     (``continue_final_message``, which vLLM and SGLang accept; vLLM also needs
-    ``add_generation_prompt: false``). Completions: the prompt followed by the text.
+    ``add_generation_prompt: false``). Completions: the prompt followed by the text. The
+    server tokenizes the text again, so the context it continues from may differ from
+    the tokens it sampled (special tokens are left out of the text, and a boundary may
+    tokenize differently).
     """
     new = dict(body)
-    max_tokens = body.get("max_tokens")
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-        used = _completion_tokens(partial)
-        if used is not None:
-            if max_tokens - used <= 0:
-                return None
-            new["max_tokens"] = max_tokens - used
+    used_up, max_tokens = _remaining_max_tokens(body, partial)
+    if used_up:
+        return None
+    if max_tokens is not None:
+        new["max_tokens"] = max_tokens
     if not generated:
         # Nothing to continue from (aborted before its first token, or only hidden
         # reasoning so far): an empty final assistant message would be rendered as a
@@ -340,6 +370,55 @@ def continuation_body(
             new["add_generation_prompt"] = False
     else:
         new["prompt"] = body["prompt"] + generated
+    return new
+
+
+#: Fields of the first request that a token-id continuation does not carry: the prompt
+#: in its chat or text form (the token ids replace it), the tools (rendered into those
+#: ids already) and the chat-only options.
+_NOT_CONTINUED = frozenset(
+    {
+        "messages",
+        "prompt",
+        "tools",
+        "tool_choice",
+        "top_logprobs",
+        "logprobs",
+        "continue_final_message",
+        "add_generation_prompt",
+        "chat_template",
+        "chat_template_kwargs",
+    }
+)
+
+
+def token_continuation_body(
+    body: dict[str, Any], partial: InferenceResponse
+) -> dict[str, Any] | None:
+    """The request that continues ``body`` *exactly* after the server aborted it: a
+    ``/v1/completions`` request whose prompt is the token ids so far (``partial.token_ids``:
+    the prompt's and every segment's generated ids), so the server continues from the
+    very context the merged rollout reports. ``max_tokens`` is the first request's less
+    the tokens generated, or ``None`` (the rest of the context) when the first left it
+    unset. ``None`` when ``max_tokens`` is already used up.
+
+    vLLM and SGLang take a list of token ids as a completions prompt, as the OpenAI API
+    does. Every other field is the first request's (sampling arguments, ``extra_body``,
+    ``return_token_ids``), but for the prompt's chat or text form and the chat-only
+    options; logprobs, when the first asked for them, are asked in the completions form
+    (``logprobs: 1``).
+    """
+    if partial.token_ids is None:
+        msg = "a token-id continuation needs the partial response's token ids"
+        raise ValueError(msg)
+    used_up, max_tokens = _remaining_max_tokens(body, partial)
+    if used_up:
+        return None
+    new = {key: value for key, value in body.items() if key not in _NOT_CONTINUED}
+    new["prompt"] = list(partial.token_ids)
+    new["max_tokens"] = max_tokens if max_tokens is not None else _REST_OF_CONTEXT
+    if body.get("logprobs"):
+        new["logprobs"] = 1
     return new
 
 

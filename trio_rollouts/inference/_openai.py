@@ -45,8 +45,9 @@ from ._control import (
     continuation_body,
     control_root,
     merge_continuation,
+    token_continuation_body,
 )
-from ._errors import InferenceError, UnsupportedFieldError
+from ._errors import InferenceError, MalformedResponseError, UnsupportedFieldError
 from ._interface import (
     InferenceInterface,
     InferenceRequest,
@@ -675,12 +676,15 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
 
         ``drain`` / ``restart``: nothing is sent (the caller pauses once no call is in
         flight, and every call of this interface waits client-side). ``keep``: vLLM
-        ``POST /pause?mode=keep``, SGLang ``POST /pause_generation {"mode": "in_place"}``:
-        requests in flight stay on the server with their KV cache and go on after
-        :meth:`resume`. ``abort``: vLLM ``POST /pause?mode=abort``, SGLang ``{"mode":
-        "abort"}``: the server ends requests in flight with their partial output
-        (``finish_reason "abort"``), and each call continues from it after
-        :meth:`resume`.
+        ``POST /pause?mode=keep&clear_cache=false``, SGLang ``POST /pause_generation
+        {"mode": "in_place"}``: requests in flight stay on the server with their KV
+        cache and go on after :meth:`resume`. ``abort``: vLLM ``POST
+        /pause?mode=abort&clear_cache=false``, SGLang ``{"mode": "abort"}``: the server
+        ends requests in flight with their partial output (``finish_reason "abort"``),
+        and each call continues from it after :meth:`resume`, exactly from its token ids
+        when it has them. When it returns, no replica is generating: vLLM answers
+        ``/pause`` only once its engine is idle with the pause state set
+        (``docs/pausing-servers.md``).
 
         Raises ``TypeError`` for a mode outside :attr:`supported_modes`. If a replica's
         pause fails, every replica it was sent to is resumed under the current epoch,
@@ -804,7 +808,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
     ) -> InferenceResponse:
         """Continue a response that a pause aborted, after :meth:`resume`, from its
         partial output, until it finishes for another reason (each pause that aborts it
-        again adds a segment); one response."""
+        again adds a segment); one response.
+
+        With token ids (the default with vLLM and SGLang) the continuation is exact: a
+        ``/v1/completions`` request whose prompt is the ids so far
+        (:func:`token_continuation_body`), checked against the prompt ids the server
+        echoes. Without them, it resends the text (:func:`continuation_body`)."""
         pause = state.pause
         server = self.server
         merged = response
@@ -814,19 +823,53 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             if server is None:  # pragma: no cover - only a server-side pause aborts
                 break
             server_pauses = pause.server_pauses
-            continued = continuation_body(
-                server, self.endpoint, body, merged, merged.response.content
-            )
+            if merged.token_ids is not None:
+                continued = token_continuation_body(body, merged)
+                endpoint: Literal["chat", "completions"] = "completions"
+            else:
+                continued = continuation_body(
+                    server, self.endpoint, body, merged, merged.response.content
+                )
+                endpoint = self.endpoint
             if continued is None:  # max_tokens used up before the abort
                 return attrs.evolve(merged, finish_reason="length")
-            segment = await self._attempt_with_retries(state, request, continued, path)
+            segment = await self._attempt_with_retries(
+                state, request, continued, _ENDPOINT_PATHS[endpoint], endpoint
+            )
+            if merged.token_ids is not None:
+                self._check_continued_from(merged.token_ids, segment)
             merged = merge_continuation(merged, segment)
             if merged.finish_reason == ABORT and pause.server_pauses == server_pauses:
                 break  # aborted by something else than a pause: the caller sees it
         return merged
 
+    def _check_continued_from(self, ids: list[int], segment: InferenceResponse) -> None:
+        """A token-id continuation's echoed prompt must be the ids sent: else the merged
+        rollout would claim a context the server did not continue from."""
+        if segment.token_ids is None or segment.prompt_length is None:
+            return  # no ids back: the merged response has none either
+        echoed = segment.token_ids[: segment.prompt_length]
+        if echoed != ids:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(echoed, ids, strict=False)) if a != b),
+                min(len(echoed), len(ids)),
+            )
+            msg = (
+                f"{self.server} ({', '.join(self._shown_urls)}) continued an aborted "
+                "request from other tokens than it was sent: "
+                f"its prompt_token_ids ({len(echoed)} ids) differ from the {len(ids)} ids "
+                f"sent, first at index {first}; the merged rollout would not be the "
+                "tokens the model saw"
+            )
+            raise MalformedResponseError(msg)
+
     async def _attempt_with_retries(
-        self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
+        self,
+        state: _RunState,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+        endpoint: Literal["chat", "completions"] | None = None,
     ) -> InferenceResponse:
         """One request and its retries (counted in the run's statistics)."""
 
@@ -838,7 +881,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             retried = True
 
         return await call_with_retries(
-            functools.partial(self._attempt, state, request, body, path),
+            functools.partial(self._attempt, state, request, body, path, endpoint or self.endpoint),
             max_retries=self.max_retries,
             backoff=self.backoff,
             on_retry=count_retry,
@@ -883,7 +926,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         return index
 
     async def _attempt(
-        self, state: _RunState, request: InferenceRequest, body: dict[str, Any], path: str
+        self,
+        state: _RunState,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+        endpoint: Literal["chat", "completions"],
     ) -> InferenceResponse:
         """One attempt: ``body`` to one replica, sent again at once without any negotiable
         field that the replica refuses (not a retry)."""
@@ -908,7 +956,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             finally:
                 state.in_flight[index] -= 1
             if 200 <= response.status_code < 300:
-                return parse_completion(self.endpoint, request, sent, response, shown, self.api_key)
+                return parse_completion(endpoint, request, sent, response, shown, self.api_key)
             said = server_message(response)
             refused = self._refused_negotiable(response, sent, said)
             if not refused:

@@ -318,7 +318,9 @@ def _completion(
             msg = "$.choices[0].text is missing"
             raise _BadField(msg)
         reply = ChatMessage(role="assistant", content=text)
-        prompt_text = sent["prompt"]
+        prompt = sent["prompt"]
+        # A prompt of token ids (an exact continuation) has no text of its own here.
+        prompt_text = prompt if isinstance(prompt, str) else ""
         prompt_ids = _int_list(choice, "prompt_token_ids")
         logprobs = _completion_logprobs(choice)
 
