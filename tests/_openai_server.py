@@ -158,6 +158,17 @@ class FakeOpenAIServer:
     # An aborted request's context (prompt ids + generated ids) -> the rest of its text.
     _id_continuations: dict[tuple[int, ...], str] = attrs.field(factory=dict)
     _changed: trio.Event = attrs.field(factory=trio.Event)
+    #: Fields accepted but ignored, as most servers do with what they do not know: the
+    #: response carries nothing for them and no error is raised.
+    ignored_fields: frozenset[str] = frozenset()
+    #: llama-cpp-python's server: chat logprobs are ``null`` unless ``top_logprobs`` is set.
+    llama_cpp_python: bool = False
+    #: llama.cpp's ``llama-server``: ``/v1/completions`` logprobs in the chat shape
+    #: (``logprobs.content[i]`` with ``token``, ``logprob``, ``bytes``, ``top_logprobs``).
+    completions_chat_shape: bool = False
+    #: ``llama-server``'s chat logprobs: every this many generated tokens are merged into
+    #: one logprob entry (a character spanning several byte tokens). None: one per token.
+    merge_logprobs: int | None = None
 
     def reply(self, *replies: Reply) -> None:
         """Answer the next requests with ``replies``, in order."""
@@ -375,7 +386,10 @@ class FakeOpenAIServer:
     def _refusal(self, body: dict[str, Any]) -> Response | None:
         if self.unknown_fields is None:
             return None
-        unknown = sorted(body.keys() - self.known_fields)
+        known = self.known_fields
+        if "logprobs" in known:  # a server that knows logprobs knows top_logprobs
+            known = known | {"top_logprobs"}
+        unknown = sorted(body.keys() - known)
         if not unknown:
             return None
         if self.unknown_fields == "transformers":
@@ -406,16 +420,31 @@ class FakeOpenAIServer:
         else:
             top["object"] = "text_completion"
             choice["text"] = text
+        body = {key: value for key, value in body.items() if key not in self.ignored_fields}
         if body.get("return_token_ids"):
             choice["token_ids"] = generated_ids
             if chat:
                 top["prompt_token_ids"] = prompt_ids
             else:
                 choice["prompt_token_ids"] = prompt_ids
-        if body.get("logprobs"):
+        wants_logprobs = bool(body.get("logprobs"))
+        if self.llama_cpp_python and chat and body.get("top_logprobs") is None:
+            wants_logprobs = False
+        if wants_logprobs:
             tokens = [chr(i) if i != SPECIAL_ID else "" for i in generated_ids]
-            if chat:
-                content = [{"token": t, "logprob": DEFAULT_LOGPROB} for t in tokens]
+            if chat or self.completions_chat_shape:
+                content = [
+                    {
+                        "token": t,
+                        "logprob": DEFAULT_LOGPROB,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [],
+                    }
+                    for t in tokens
+                ]
+                if self.merge_logprobs is not None:
+                    k = self.merge_logprobs
+                    content = content[::k]
                 choice["logprobs"] = {"content": content}
             else:
                 choice["logprobs"] = {

@@ -676,3 +676,18 @@ def test_a_signal_stops_generate_at_once_and_leaves_whole_lines(
     assert sorted(g[0].problem_id or "" for g in groups_in(out)) == sorted(
         f"q{i}" for i in range(12)
     )
+
+
+def test_strict_token_ids_fail_against_a_server_that_ignores_them(
+    tmp_path: Path, prompts: Path
+) -> None:
+    # Like llama-cpp-python's server: return_token_ids accepted, and ignored.
+    fake = FakeOpenAIServer(ignored_fields=frozenset({"return_token_ids"}))
+    with serving_in_thread(fake):
+        out = tmp_path / "o.jsonl"
+        result = invoke(*generate(fake, prompts, out, "--num-prompts", 1, "--token-ids"))
+    assert result.exit_code != 0
+    assert "returned no token ids" in result.output
+    assert "--token-ids" in result.output
+    help_text = " ".join(invoke("generate", "--help").output.split())
+    assert "refuses it or returns none" in help_text

@@ -413,16 +413,16 @@ def server_options(*, unless: str | None = None) -> Callable[[Callable[P, T]], C
             "token_ids",
             default=None,
             help="Ask for token ids (vLLM's return_token_ids): --token-ids fails if the "
-            "server refuses it, --no-token-ids never asks [default: ask, and stop asking a "
-            "server that rejects the field].",
+            "server refuses it or returns none, --no-token-ids never asks [default: ask, "
+            "and stop asking a server that rejects the field].",
         ),
         click.option(
             "--logprobs/--no-logprobs",
             "logprobs",
             default=None,
             help="Ask for log-probabilities of the generated tokens: --logprobs fails if "
-            "the server refuses them, --no-logprobs never asks [default: ask, and stop "
-            "asking a server that rejects the field].",
+            "the server refuses them or returns none (or not one per token), --no-logprobs "
+            "never asks [default: ask, and stop asking a server that rejects the field].",
         ),
         click.option(
             "--extra-body",

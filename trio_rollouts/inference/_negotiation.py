@@ -40,6 +40,9 @@ NEGOTIABLE_FIELDS: Mapping[str, tuple[str, str]] = {
     "logprobs": ("return_logprobs", "--no-logprobs"),
 }
 
+#: Fields sent only with a negotiable one, and dropped with it.
+_GROUPS: Mapping[str, tuple[str, ...]] = {"logprobs": ("top_logprobs",)}
+
 # What servers say when they refuse a field they do not know (as opposed to a bad value).
 _UNKNOWN_FIELD = re.compile(
     r"unexpected|unrecogni[sz]ed|unknown|not permitted|extra[ _](?:forbidden|inputs?|fields?)"
@@ -64,7 +67,16 @@ class Capabilities:
         dropped = self.dropped[replica]
         if not dropped:
             return body
-        return {key: value for key, value in body.items() if key not in dropped}
+        gone = set(dropped)
+        for field in dropped:
+            gone.update(_GROUPS.get(field, ()))
+        return {key: value for key, value in body.items() if key not in gone}
+
+    def warn_once(self, replica: int, key: str, message: str, *args: object) -> None:
+        """Log ``message`` the first time ``key`` is warned about for ``replica``."""
+        token = object()
+        if self._logged.setdefault((replica, key), token) is token:
+            logger.warning(message, *args)
 
     def drop(self, replica: int, fields: Iterable[str], shown_url: str) -> None:
         """Stop sending ``fields`` to ``replica``; log each the first time it is dropped."""

@@ -429,9 +429,20 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         logged once. The interface remembers it, across Trio runs (each sync
         :meth:`generate` is one), so later requests to that replica never carry the
         field and cost nothing extra. Servers that ignore unknown fields simply return
-        no token ids or logprobs: the response's fields stay ``None``.
+        no token ids or logprobs: the response's fields stay ``None``, and a warning
+        naming the replica is logged once (not for a response that generated nothing).
       - ``True``: strict. A refusal raises :class:`UnsupportedFieldError` (a
-        :class:`BadRequestError`) naming the server and the field.
+        :class:`BadRequestError`) naming the server and the field, and so does a
+        response without them (a server that ignores the field).
+
+      Chat requests send ``top_logprobs: 1`` with ``logprobs`` (llama-cpp-python's
+      server returns none without it); it is dropped with ``logprobs``. Logprobs are
+      read in the chat shape (``logprobs.content``) or the completions one
+      (``token_logprobs``) on either endpoint (``llama-server`` answers
+      ``/v1/completions`` in the chat shape). Logprobs not one per generated token
+      (``llama-server`` merges a character's byte tokens) are dropped with a warning
+      once per replica, or raise :class:`MalformedResponseError` with
+      ``return_logprobs=True``.
       - ``False``: never sent.
     - ``extra_body``: more top-level JSON fields for every request (e.g.
       ``{"min_p": 0.05}``); they override the two options above but never the model, the
@@ -892,7 +903,11 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         required: dict[str, Any] = {"model": self.model}
         if self.endpoint == "chat":
             if self.return_logprobs is not False:
+                # top_logprobs too: llama-cpp-python's server answers null logprobs without
+                # it; 1, not 0, as its completions path treats 0 as "no logprobs". It goes
+                # with logprobs: dropped for a replica that refuses logprobs.
                 flags["logprobs"] = True
+                flags["top_logprobs"] = 1
             required["messages"] = [_message_json(message) for message in request.prompt]
             if request.tools:
                 required["tools"] = request.tools
@@ -956,7 +971,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             finally:
                 state.in_flight[index] -= 1
             if 200 <= response.status_code < 300:
-                return parse_completion(endpoint, request, sent, response, shown, self.api_key)
+                parsed = parse_completion(endpoint, request, sent, response, shown, self.api_key)
+                return self._check_returned(index, sent, parsed)
             said = server_message(response)
             refused = self._refused_negotiable(response, sent, said)
             if not refused:
@@ -966,6 +982,79 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
                 raise error
             # Each pass drops at least one field that was sent, so this loop ends.
             capabilities.drop(index, refused, self._shown_urls[index])
+
+    def _check_returned(
+        self, index: int, sent: dict[str, Any], response: InferenceResponse
+    ) -> InferenceResponse:
+        """What was asked must be in the response: a field sent but answered without
+        (a server that ignores it) raises under the strict option (``True``) and is
+        warned about once per replica under negotiation (``None``); logprobs that are not
+        one per generated token are dropped (strict: raised)."""
+        replica = self._shown_urls[index]
+        usage = response.usage or {}
+        completion_tokens = usage.get("completion_tokens")
+        if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool):
+            completion_tokens = None
+        generated: int | None = completion_tokens
+        if response.token_ids is not None and response.prompt_length is not None:
+            generated = len(response.token_ids) - response.prompt_length
+        # Nothing generated (or aborted before the first token): nothing to carry.
+        nothing = generated == 0 or (
+            generated is None and response.finish_reason == ABORT and not response.response.content
+        )
+        for field, option, present in (
+            ("return_token_ids", self.return_token_ids, response.token_ids is not None),
+            ("logprobs", self.return_logprobs, response.logprobs is not None),
+        ):
+            if field not in sent or present or nothing or option is False:
+                continue
+            what = _WHAT[field]
+            name, flag = NEGOTIABLE_FIELDS[field]
+            if option is True:
+                msg = (
+                    f"{replica} accepted {field} but returned no {what}: the server ignores "
+                    f"the field, and {name}=True (CLI: {flag.replace('--no-', '--')}) requires "
+                    f"{what} in every response; use a server that returns them (vLLM, SGLang), "
+                    f"or {name}=None to take responses without them (CLI: leave the flag "
+                    f"out) or {name}=False to not ask (CLI: {flag})"
+                )
+                raise UnsupportedFieldError(msg, url=replica, fields=(field,))
+            self._capabilities.warn_once(
+                index,
+                f"ignored {field}",
+                "%s accepted the request field %r but returned no %s: rollouts from this "
+                "replica carry no %s (set %s=False to not ask, or %s=True to fail instead)",
+                replica,
+                field,
+                what,
+                what,
+                name,
+                name,
+            )
+        logprobs = response.logprobs
+        if logprobs is not None and generated is not None and len(logprobs) != generated:
+            counted = "token ids" if response.token_ids is not None else "usage.completion_tokens"
+            if self.return_logprobs is True:
+                msg = (
+                    f"{replica} returned {len(logprobs)} log-probabilities for {generated} "
+                    f"generated tokens (by its {counted}): they are not one per token (llama.cpp's "
+                    "llama-server merges a character's byte tokens into one entry), and "
+                    "return_logprobs=True (CLI: --logprobs) requires them; use "
+                    "return_logprobs=None to take such responses without logprobs"
+                )
+                raise MalformedResponseError(msg, url=replica)
+            self._capabilities.warn_once(
+                index,
+                "logprob count",
+                "%s returned %d log-probabilities for %d generated tokens (by its %s); they "
+                "do not line up with the tokens, so its responses are kept without logprobs",
+                replica,
+                len(logprobs),
+                generated,
+                counted,
+            )
+            response = attrs.evolve(response, logprobs=None)
+        return response
 
     async def _name_served_models(
         self,
@@ -1014,7 +1103,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         if not candidates:
             return set()
         message, data = said
-        return named_fields(data, message, candidates)
+        if "logprobs" in candidates and "top_logprobs" in sent:
+            candidates.add("top_logprobs")
+        named = named_fields(data, message, candidates)
+        if "top_logprobs" in named:  # sent with logprobs, and dropped with it
+            named = (named - {"top_logprobs"}) | {"logprobs"}
+        return named
 
     def _status_error(
         self,
@@ -1137,6 +1231,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+_WHAT = {"return_token_ids": "token ids", "logprobs": "log-probabilities"}
 
 
 def _message_json(message: ChatMessage) -> dict[str, Any]:

@@ -311,7 +311,7 @@ def _completion(
         prompt_ids = _int_list(choice, "prompt_token_ids")
         if prompt_ids is None:
             prompt_ids = _int_list(data, "prompt_token_ids", "$")
-        logprobs = _chat_logprobs(choice)
+        logprobs = _any_logprobs(choice)
     else:
         text = _optional_str(choice, "text")
         if text is None:
@@ -322,7 +322,7 @@ def _completion(
         # A prompt of token ids (an exact continuation) has no text of its own here.
         prompt_text = prompt if isinstance(prompt, str) else ""
         prompt_ids = _int_list(choice, "prompt_token_ids")
-        logprobs = _completion_logprobs(choice)
+        logprobs = _any_logprobs(choice)
 
     generated_ids = _int_list(choice, "token_ids")  # vLLM
     if generated_ids is None:
@@ -410,25 +410,27 @@ def _logprobs_object(choice: dict[str, Any]) -> dict[str, Any] | None:
     return logprobs
 
 
-def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
-    """``logprobs.content[i].logprob`` of a chat choice."""
+def _any_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    """The log-probabilities of a choice in either shape, on either endpoint: the chat
+    shape (``logprobs.content[i].logprob``, which llama.cpp's ``llama-server`` also
+    answers on ``/v1/completions``) or the legacy completions shape
+    (``logprobs.token_logprobs``)."""
     logprobs = _logprobs_object(choice)
-    content = None if logprobs is None else logprobs.get("content")
-    if content is None:
+    if logprobs is None:
         return None
+    if logprobs.get("content") is not None:
+        return _chat_logprobs(logprobs)
+    return _float_list(logprobs, "token_logprobs", f"{_CHOICE}.logprobs")
+
+
+def _chat_logprobs(logprobs: dict[str, Any]) -> list[float]:
+    """``logprobs.content[i].logprob``."""
+    content = logprobs.get("content")
     path = f"{_CHOICE}.logprobs.content"
     if not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
         msg = f"{path} is not a list of objects"
         raise _BadField(msg)
     return _numbers([item.get("logprob") for item in content], f"{path}[*].logprob")
-
-
-def _completion_logprobs(choice: dict[str, Any]) -> list[float] | None:
-    """``logprobs.token_logprobs`` of a completions choice."""
-    logprobs = _logprobs_object(choice)
-    if logprobs is None:
-        return None
-    return _float_list(logprobs, "token_logprobs", f"{_CHOICE}.logprobs")
 
 
 def _epochs(obj: dict[str, Any], key: str) -> list[tuple[int, int]]:
