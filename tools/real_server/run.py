@@ -208,6 +208,25 @@ def check_eval_output(out: Path) -> None:
     print(f"eval: {len(response.results)} results; metrics {data.get('metrics')}")
 
 
+def run_cli_checks(
+    base_url: str, model: str, prompts: Path, work: Path, timings: dict[str, float]
+) -> Path:
+    """``generate`` and ``eval`` with default flags, their outputs checked; returns the
+    ``generate`` output."""
+    server = ["--base-url", base_url, "--model", model, "--prompts", str(prompts)]
+    step("trio-rollouts generate (default flags)")
+    generated = work / "generate.jsonl"
+    group_size = ["--group-size", str(GROUP_SIZE)]
+    timings["generate"] = run_cli("generate", *server, *group_size, "--out", str(generated))
+    check_generate_output(generated)
+
+    step("trio-rollouts eval (default flags)")
+    evaluated = work / "eval.json"
+    timings["eval"] = run_cli("eval", *server, "--out", str(evaluated))
+    check_eval_output(evaluated)
+    return generated
+
+
 # ------------------------------------------------------------------------- the library
 
 
@@ -351,18 +370,7 @@ def main(work: Path) -> None:
     with serving(model_dir, work / "server.log") as base_url:
         timings["server start"] = time.monotonic() - mark
         model = served_model(base_url)
-        server = ["--base-url", base_url, "--model", model, "--prompts", str(prompts)]
-
-        step("trio-rollouts generate (default flags)")
-        generated = work / "generate.jsonl"
-        group_size = ["--group-size", str(GROUP_SIZE)]
-        timings["generate"] = run_cli("generate", *server, *group_size, "--out", str(generated))
-        check_generate_output(generated)
-
-        step("trio-rollouts eval (default flags)")
-        evaluated = work / "eval.json"
-        timings["eval"] = run_cli("eval", *server, "--out", str(evaluated))
-        check_eval_output(evaluated)
+        run_cli_checks(base_url, model, prompts, work, timings)
 
         step("the library: OpenAIInference + RewardOnlyAgent, async and sync bridge")
         mark = time.monotonic()

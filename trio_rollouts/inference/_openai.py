@@ -434,6 +434,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
       - ``True``: strict. A refusal raises :class:`UnsupportedFieldError` (a
         :class:`BadRequestError`) naming the server and the field, and so does a
         response without them (a server that ignores the field).
+      - ``False``: never sent.
 
       Chat requests send ``top_logprobs: 1`` with ``logprobs`` (llama-cpp-python's
       server returns none without it); it is dropped with ``logprobs``. Logprobs are
@@ -443,7 +444,6 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
       (``llama-server`` merges a character's byte tokens) are dropped with a warning
       once per replica, or raise :class:`MalformedResponseError` with
       ``return_logprobs=True``.
-      - ``False``: never sent.
     - ``extra_body``: more top-level JSON fields for every request (e.g.
       ``{"min_p": 0.05}``); they override the two options above but never the model, the
       prompt, the tools or a set generation argument. A key the client sets itself

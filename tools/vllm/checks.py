@@ -1,0 +1,336 @@
+"""The library suite against a running vLLM server (``run.py`` starts the server).
+
+Each check reads the server's own account of what happened (``/metrics``, ``/is_paused``,
+a re-score through ``/v1/completions`` with ``prompt_logprobs``) rather than trusting the
+client:
+
+- **tokens**: every response carries its prompt and generated token ids and one logprob
+  per generated token, on both endpoints, and the logprobs are the ones the server
+  computes for the same tokens when re-scoring them (bit-identical on this CPU);
+- **keep**: ``pause("keep")`` with calls in flight: no token is generated while paused,
+  no request is preempted, the calls finish with every token, and a repeated prompt is
+  served from the prefix cache after the pause;
+- **abort**: ``pause("abort")`` with calls in flight: the server aborts them, and each
+  call is continued from exactly its token ids (its re-score matches, its token count is
+  the one asked);
+- **stream**: ``stream.weight_update`` in all four modes with a staleness bound, every
+  rollout re-scored; a body that raises and a body that is cancelled; and after every
+  route the server is not paused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import trio
+from run import PROBLEMS, CheckFailed, check
+
+import trio_rollouts as tr
+
+#: Seconds each pause is held while the server's token counter is watched.
+HOLD = 2.0
+#: Generated tokens of a long call (with ``ignore_eos``): about 1.5 s on this CPU.
+LONG = 300
+#: The largest difference allowed between a sampled token's logprob and its re-score.
+LOGPROB_TOLERANCE = 1e-5
+#: Bound on every check (seconds).
+CHECK_TIMEOUT = 300.0
+
+
+@attrs.frozen
+class VLLM:
+    """A running server: its root URL (no ``/v1``) and the model id it serves."""
+
+    root: str
+    model: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root}/v1"
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(
+            self.root + path, data=data, headers={"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:  # loopback only
+            return json.load(reply)
+
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(self.root + path, timeout=30) as reply:
+            text: str = reply.read().decode()
+            return text
+
+    def metric(self, name: str, label: str = "") -> float:
+        """The sum of a Prometheus counter's series (those whose labels contain ``label``)."""
+        total = 0.0
+        pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$"
+        for found in re.finditer(pattern, self.get_text("/metrics"), re.MULTILINE):
+            if label in (found.group(1) or ""):
+                total += float(found.group(2))
+        return total
+
+    def is_paused(self) -> bool:
+        return bool(json.loads(self.get_text("/is_paused"))["is_paused"])
+
+    def rescore(self, ids: Sequence[int]) -> list[float | None]:
+        """The server's logprob of each token given the ones before it (None first)."""
+        reply = self.post(
+            "/v1/completions",
+            {"model": self.model, "prompt": list(ids), "max_tokens": 1, "prompt_logprobs": 0},
+        )
+        scores: list[float | None] = []
+        for token, entry in zip(ids, reply["choices"][0]["prompt_logprobs"], strict=True):
+            scores.append(None if entry is None else float(entry[str(token)]["logprob"]))
+        return scores
+
+
+async def in_thread(function: Any, *args: Any) -> Any:
+    return await trio.to_thread.run_sync(function, *args)
+
+
+def worst_logprob_gap(
+    vllm: VLLM, ids: Sequence[int], start: int, logprobs: Sequence[float]
+) -> float:
+    """The largest |sampled - re-scored| logprob over the generated tokens ``ids[start:]``."""
+    check(len(logprobs) == len(ids) - start, f"{len(logprobs)} logprobs, {len(ids) - start} ids")
+    scores = vllm.rescore(ids)[start:]
+    gap = 0.0
+    for sampled, rescored in zip(logprobs, scores, strict=True):
+        if rescored is None or not math.isfinite(sampled):
+            raise CheckFailed(f"a logprob that is not a number: {sampled} / {rescored}")
+        gap = max(gap, abs(sampled - rescored))
+    return gap
+
+
+async def check_response(vllm: VLLM, response: tr.InferenceResponse, tokens: int | None) -> float:
+    """Ids, logprobs and usage agree; ``tokens`` generated if given. Returns the
+    response's worst logprob gap against a re-score."""
+    ids, start, logprobs = response.token_ids, response.prompt_length, response.logprobs
+    if ids is None or start is None or logprobs is None:
+        raise CheckFailed(f"a response without token ids or logprobs: {response}")
+    generated = len(ids) - start
+    usage = response.usage or {}
+    check(generated == usage.get("completion_tokens"), f"{generated} ids, usage {usage}")
+    check(tokens is None or generated == tokens, f"{generated} tokens generated, not {tokens}")
+    gap: float = await in_thread(worst_logprob_gap, vllm, ids, start, logprobs)
+    check(gap <= LOGPROB_TOLERANCE, f"a logprob differs from its re-score by {gap:.3g}")
+    return gap
+
+
+async def check_tokens(vllm: VLLM) -> str:
+    gaps: list[float] = []
+    for endpoint in ("chat", "completions"):
+        interface = tr.OpenAIInference(vllm.base_url, vllm.model, endpoint=endpoint)
+        responses: list[tr.InferenceResponse] = []
+
+        async def one(
+            prompt: str,
+            interface: tr.OpenAIInference = interface,
+            responses: list[tr.InferenceResponse] = responses,
+        ) -> None:
+            request = interface.prepare_request(prompt, tr.GenerationArgs(max_tokens=24))
+            responses.append(await interface.agenerate(request))
+
+        async with trio.open_nursery() as nursery:
+            for row in PROBLEMS:
+                nursery.start_soon(one, str(row["prompt"]))
+        for response in responses:
+            gaps.append(await check_response(vllm, response, None))
+        await interface.aclose()
+    return f"{len(gaps)} responses (chat and completions), worst logprob gap {max(gaps):.3g}"
+
+
+async def long_calls(
+    vllm: VLLM, interface: tr.OpenAIInference, mode: tr.WeightUpdateMode
+) -> tuple[list[tr.InferenceResponse], dict[str, float]]:
+    """Four ``LONG``-token calls, paused in ``mode`` once all four are running, held
+    ``HOLD`` seconds, resumed. Returns the responses and what ``/metrics`` counted."""
+    responses: list[tr.InferenceResponse] = []
+    seen: dict[str, float] = {}
+    prompt = f"{secrets.token_hex(4)} Tell me a long story."
+
+    async def one() -> None:
+        request = interface.prepare_request(prompt, tr.GenerationArgs(max_tokens=LONG))
+        responses.append(await interface.agenerate(request))
+
+    attempts = sum(interface.statistics().attempts)
+    preempted: float = await in_thread(vllm.metric, "vllm:num_preemptions_total")
+    aborted: float = await in_thread(vllm.metric, "vllm:request_success_total", '"abort"')
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(one)
+        # Poll the server until it runs all four: nothing client-side says so.
+        while (running := await in_thread(vllm.metric, "vllm:num_requests_running")) < 4:
+            if responses:
+                msg = f"{mode}: a call ended before the pause ({running:.0f} running)"
+                raise CheckFailed(msg)
+            await trio.sleep(0.05)
+        await interface.pause(mode)
+        check(await in_thread(vllm.is_paused), f"{mode}: /is_paused is false after pause()")
+        before = await in_thread(vllm.metric, "vllm:generation_tokens_total")
+        await trio.sleep(HOLD)
+        seen["generated while paused"] = (
+            await in_thread(vllm.metric, "vllm:generation_tokens_total") - before
+        )
+        await interface.resume(1)
+    check(not await in_thread(vllm.is_paused), f"{mode}: the server is still paused")
+    seen["preempted"] = await in_thread(vllm.metric, "vllm:num_preemptions_total") - preempted
+    seen["aborted"] = (
+        await in_thread(vllm.metric, "vllm:request_success_total", '"abort"') - aborted
+    )
+    # Requests sent: an aborted call is sent again (its continuation).
+    seen["requests"] = sum(interface.statistics().attempts) - attempts
+    check(seen["generated while paused"] == 0, f"{mode}: tokens generated while paused: {seen}")
+    return responses, seen
+
+
+async def check_keep(vllm: VLLM) -> str:
+    interface = tr.OpenAIInference(
+        vllm.base_url, vllm.model, server="vllm", extra_body={"ignore_eos": True}
+    )
+    responses, seen = await long_calls(vllm, interface, "keep")
+    check(seen["preempted"] == 0, f"keep preempted {seen['preempted']} requests")
+    check(seen["requests"] == 4, f"keep: {seen['requests']} requests for 4 calls")
+    gaps = [await check_response(vllm, response, LONG) for response in responses]
+
+    # The prefix cache survives the pause: a repeated prompt is read from it.
+    prompt = " ".join(secrets.token_hex(2) for _ in range(60))
+    request = interface.prepare_request(prompt, tr.GenerationArgs(max_tokens=1))
+    first = await interface.agenerate(request)
+    hits = await in_thread(vllm.metric, "vllm:prefix_cache_hits_total")
+    await interface.pause("keep")
+    await interface.resume(2)
+    await interface.agenerate(request)
+    cached = await in_thread(vllm.metric, "vllm:prefix_cache_hits_total") - hits
+    prompt_tokens = (first.usage or {}).get("prompt_tokens", 0)
+    # Whole KV blocks are cached (128 tokens on this CPU build): at least half here.
+    check(cached >= prompt_tokens / 2, f"{cached} of {prompt_tokens} tokens from the cache")
+    await interface.aclose()
+    return (
+        f"4 calls held {HOLD:.0f} s: 0 tokens generated, 0 preempted, {LONG} tokens each, "
+        f"worst logprob gap {max(gaps):.3g}; prefix cache after the pause: "
+        f"{cached:.0f} of {prompt_tokens} prompt tokens"
+    )
+
+
+async def check_abort(vllm: VLLM) -> str:
+    interface = tr.OpenAIInference(
+        vllm.base_url, vllm.model, server="vllm", extra_body={"ignore_eos": True}
+    )
+    responses, seen = await long_calls(vllm, interface, "abort")
+    # vLLM's abort counter (request_success_total, finished_reason="abort") is not
+    # always updated for requests aborted by a pause: the client's count is the proof.
+    check(seen["requests"] == 8, f"abort: {seen['requests']} requests for 4 calls, not 8")
+    gaps = [await check_response(vllm, response, LONG) for response in responses]
+    await interface.aclose()
+    return (
+        f"4 calls aborted ({seen['aborted']:.0f} counted by the server) and continued from "
+        f"their token ids (8 requests): {LONG} tokens each, "
+        f"0 generated while paused, worst logprob gap {max(gaps):.3g}"
+    )
+
+
+class HasAnswer(tr.RewardOnlyAgent):
+    async def get_reward(self, problem: tr.Problem, response: tr.InferenceResponse) -> float:
+        return float(str(problem.answer) in response.response.content)
+
+
+def stream_request(vllm: VLLM) -> tuple[HasAnswer, tr.GroupedRolloutRequest]:
+    source = tr.PromptSource([tr.Problem(**row) for row in PROBLEMS], seed=0)
+    agent = HasAnswer(prompts=source, env_id="arithmetic", parallel_generation_tasks=8)
+    request = tr.GroupedRolloutRequest(
+        num_groups=2,
+        rollouts_per_group=2,
+        inference_interface=tr.OpenAIInference(
+            vllm.base_url, vllm.model, server="vllm", extra_body={"ignore_eos": True}
+        ),
+        generation_args=tr.GenerationArgs(max_tokens=96),
+        streaming=True,
+        max_staleness=1,
+    )
+    return agent, request
+
+
+async def rescore_groups(vllm: VLLM, groups: list[tr.RolloutGroup]) -> float:
+    worst = 0.0
+    for group in groups:
+        for rollout in group:
+            if not isinstance(rollout, tr.TokenRollout) or not rollout.logprobs:
+                raise CheckFailed(f"a rollout without tokens or logprobs: {rollout!r:.200}")
+            ids, mask = rollout.trajectory[0], (rollout.generation_mask or [[]])[0]
+            start = mask.count(False)
+            gap = await in_thread(worst_logprob_gap, vllm, ids, start, rollout.logprobs[0])
+            check(gap <= LOGPROB_TOLERANCE, f"a rollout's logprob is {gap:.3g} off its re-score")
+            worst = max(worst, gap)
+    return worst
+
+
+async def check_stream(vllm: VLLM) -> str:
+    agent, request = stream_request(vllm)
+    taken: list[tr.RolloutGroup] = []
+    paused_tokens: list[float] = []
+    async with agent.get_grouped_rollouts(request) as stream:
+        for mode in ("drain", "restart", "keep", "abort"):
+            taken += [await stream.receive(), await stream.receive()]
+            preempted = await in_thread(vllm.metric, "vllm:num_preemptions_total")
+            async with stream.weight_update(mode) as update:
+                paused = await in_thread(vllm.is_paused)
+                check(paused == (mode in ("keep", "abort")), f"{mode}: /is_paused is {paused}")
+                before = await in_thread(vllm.metric, "vllm:generation_tokens_total")
+                await trio.sleep(HOLD / 2)
+                after = await in_thread(vllm.metric, "vllm:generation_tokens_total")
+                paused_tokens.append(after - before)
+                check(after == before, f"{mode}: {after - before} tokens generated in the body")
+            check(not await in_thread(vllm.is_paused), f"{mode}: still paused after the block")
+            check(stream.policy_epoch == update.epoch, f"{mode}: the epoch did not move")
+            if mode == "keep":
+                moved = await in_thread(vllm.metric, "vllm:num_preemptions_total") - preempted
+                check(moved == 0, f"keep preempted {moved} requests")
+            taken.append(await stream.receive())
+            check(
+                stream.policy_epoch - taken[-1].start_epoch <= 1,
+                f"a group older than the bound: epoch {taken[-1].start_epoch}",
+            )
+
+        # Failure routes: a body that raises, a body that is cancelled.
+        try:
+            async with stream.weight_update("keep"):
+                raise LookupError("the weight push failed")
+        except LookupError:
+            pass
+        check(not await in_thread(vllm.is_paused), "paused after a body that raised")
+        with trio.move_on_after(HOLD / 2) as scope:
+            async with stream.weight_update("abort"):
+                await trio.sleep_forever()
+        check(scope.cancelled_caught, "the body was not cancelled")
+        check(not await in_thread(vllm.is_paused), "paused after a cancelled body")
+        taken.append(await stream.receive())
+        stats = stream.statistics()
+    check(not await in_thread(vllm.is_paused), "paused after the stream closed")
+    check(stats.unaccounted == 0, f"the ledger does not add up: {stats}")
+    worst = await rescore_groups(vllm, taken)
+    return (
+        f"drain, restart, keep, abort, a raising and a cancelled body: {len(taken)} groups, "
+        f"epoch {stats.policy_epoch}, {stats.restarted} restarted, {stats.stale} stale, "
+        f"{stats.mixed} mixed; 0 tokens in every body; worst logprob gap {worst:.3g}"
+    )
+
+
+async def run_library_checks(vllm: VLLM) -> None:
+    for name, run_check in (
+        ("tokens", check_tokens),
+        ("keep", check_keep),
+        ("abort", check_abort),
+        ("stream", check_stream),
+    ):
+        with trio.fail_after(CHECK_TIMEOUT):
+            print(f"{name}: {await run_check(vllm)}", flush=True)
+    check(not await in_thread(vllm.is_paused), "the server is left paused")
