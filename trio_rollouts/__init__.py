@@ -48,6 +48,7 @@ from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
 from ._stream import RolloutStream as RolloutStream
 from ._weight_update import WeightUpdate as WeightUpdate
 from .inference import TRANSIENT_ERRORS as TRANSIENT_ERRORS
+from .inference import AcceptsTokens as AcceptsTokens
 from .inference import EmbeddedInference as EmbeddedInference
 from .inference import InferenceError as InferenceError
 from .inference import InferenceInterface as InferenceInterface
@@ -58,6 +59,7 @@ from .inference import OpenAIInference as OpenAIInference
 from .inference import ReturnsLogProbs as ReturnsLogProbs
 from .inference import ReturnsRaw as ReturnsRaw
 from .inference import ReturnsTokens as ReturnsTokens
+from .inference import TokenMismatchError as TokenMismatchError
 from .inference import WeightUpdateError as WeightUpdateError
 
 __version__ = "0.1.0.dev0"

@@ -4,6 +4,7 @@ Each check reads the server's own account of what happened (``/metrics``, ``/is_
 a re-score through ``/v1/completions`` with ``prompt_logprobs``) rather than trusting the
 client:
 
+- **token-in**: a request with ``prompt_ids`` is generated from exactly those ids;
 - **tokens**: every response carries its prompt and generated token ids and one logprob
   per generated token, on both endpoints, and the logprobs are the ones the server
   computes for the same tokens when re-scoring them (bit-identical on this CPU);
@@ -146,6 +147,30 @@ async def check_tokens(vllm: VLLM) -> str:
             gaps.append(await check_response(vllm, response, None))
         await interface.aclose()
     return f"{len(gaps)} responses (chat and completions), worst logprob gap {max(gaps):.3g}"
+
+
+async def check_token_in(vllm: VLLM) -> str:
+    """``prompt_ids``: the server generates from exactly the ids sent (it echoes them),
+    and the logprobs are the re-score's; an id prompt with a special token in the middle
+    (which text would lose) too."""
+    interface = tr.OpenAIInference(vllm.base_url, vllm.model)
+    chat = await interface.agenerate(
+        interface.prepare_request("Say something.", tr.GenerationArgs(max_tokens=8))
+    )
+    if chat.token_ids is None:
+        raise CheckFailed("a chat response without token ids")
+    special = 258  # <|pad|> of the byte-level tokenizer, inside the context
+    gaps = []
+    for ids in (chat.token_ids, [*chat.token_ids[:5], special, *chat.token_ids[5:]]):
+        request = tr.InferenceRequest(
+            prompt=[], prompt_ids=list(ids), generation_args=tr.GenerationArgs(max_tokens=16)
+        )
+        response = await interface.agenerate(request)
+        check(response.token_ids is not None, "no token ids for an id prompt")
+        check((response.token_ids or [])[: len(ids)] == ids, "the echoed ids differ")
+        gaps.append(await check_response(vllm, response, None))
+    await interface.aclose()
+    return f"2 id prompts (one with a special token inside): echoed, worst gap {max(gaps):.3g}"
 
 
 async def long_calls(
@@ -331,6 +356,7 @@ async def check_stream(vllm: VLLM) -> str:
 async def run_library_checks(vllm: VLLM) -> None:
     for name, run_check in (
         ("tokens", check_tokens),
+        ("token-in", check_token_in),
         ("keep", check_keep),
         ("abort", check_abort),
         ("stream", check_stream),

@@ -19,7 +19,9 @@ from ._errors import MalformedResponseError as MalformedResponseError
 from ._errors import NotSupportedError as NotSupportedError
 from ._errors import RateLimitError as RateLimitError
 from ._errors import ServerError as ServerError
+from ._errors import TokenMismatchError as TokenMismatchError
 from ._errors import UnsupportedFieldError as UnsupportedFieldError
+from ._interface import AcceptsTokens as AcceptsTokens
 from ._interface import InferenceInterface as InferenceInterface
 from ._interface import InferenceRequest as InferenceRequest
 from ._interface import InferenceResponse as InferenceResponse

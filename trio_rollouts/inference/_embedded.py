@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Final, Literal, TypeAlias
 
@@ -27,6 +28,7 @@ import trio
 from .._checks import check_natural, int_at_least, non_negative
 from .._messages import ChatMessage, GenerationArgs
 from ._interface import (
+    AcceptsTokens,
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
@@ -95,8 +97,20 @@ class HashedPromptPolicy:
         return self.completions, rng.dirichlet([self.concentration] * len(self.completions))
 
 
+def _decode_code_points(ids: list[int]) -> str:
+    """The text of token ids that are code points (the embedded backend's tokens)."""
+    for i, token in enumerate(ids):
+        if token > sys.maxunicode:
+            msg = (
+                f"prompt_ids[{i}] = {token} is not a token of EmbeddedInference: its tokens "
+                f"are Unicode code points, 0 to {sys.maxunicode}"
+            )
+            raise ValueError(msg)
+    return "".join(map(chr, ids))
+
+
 @attrs.define(kw_only=True, eq=False)
-class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable):
+class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTokens, Pausable):
     """A simulated inference engine (no model, no server) for demos, docs and tests.
 
     - ``policy``: maps the prompt's messages to ``(completions, probabilities)``
@@ -115,7 +129,11 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausabl
 
     The response: ``raw_text`` is ``render_plain_chat(prompt) + completion``; tokens are
     characters, ``token_ids`` the code points of ``raw_text`` and ``prompt_length`` the
-    length of the rendered prompt; ``logprobs`` gives each generated token
+    length of the rendered prompt. It :class:`~trio_rollouts.inference.AcceptsTokens`: with
+    ``prompt_ids`` (code points) the prompt text is their characters, exactly, the policy
+    sees ``request.prompt`` if it is not empty and else one user message holding that text,
+    and ``token_ids`` is ``prompt_ids`` followed by the generated code points. ``logprobs``
+    gives each generated token
     ``log(p) / len(completion)``, where ``p`` is the policy's probability of the chosen
     completion (before temperature and cuts, as vLLM reports raw log-probabilities), so a
     complete completion's logprobs sum to ``log(p)``. ``policy_epoch`` starts at
@@ -281,12 +299,18 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausabl
         Cancellation: a checkpoint at least once (the first-token wait); cancellable at
         every token step and while held by a pause, leaving nothing behind.
         """
-        prompt_text = render_plain_chat(request.prompt)
+        messages = request.prompt
+        if request.prompt_ids is None:
+            prompt_text = render_plain_chat(messages)
+        else:
+            prompt_text = _decode_code_points(request.prompt_ids)
+            if not messages:
+                messages = [ChatMessage(role="user", content=prompt_text)]
         # The random stream is fixed on arrival, so a pause never changes the sample.
         rng = self._request_rng(prompt_text)
         state = self._run_state()
         await state.hold(admission=True)
-        completions, probs = self._distribution(request.prompt)
+        completions, probs = self._distribution(messages)
         index = _sample(probs, request.generation_args, rng)
         completion = completions[index]
         max_tokens = request.generation_args.max_tokens
@@ -334,7 +358,7 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausabl
             response=ChatMessage(role="assistant", content=generated),
             raw_text=raw_text,
             token_ids=[ord(character) for character in raw_text],
-            prompt_length=len(prompt_text),
+            prompt_length=len(prompt_text),  # the code points of prompt_ids when given
             logprobs=[token_logprob] * len(generated),
             policy_epoch=policy_epoch,
             kv_cache_epoch=kv_cache_epoch,

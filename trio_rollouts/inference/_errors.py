@@ -28,6 +28,7 @@ __all__ = [
     "NotSupportedError",
     "RateLimitError",
     "ServerError",
+    "TokenMismatchError",
     "UnsupportedFieldError",
 ]
 
@@ -139,6 +140,33 @@ class InferenceConnectionError(InferenceError):
 class MalformedResponseError(InferenceError):
     """The server answered 2xx with a body that is not the JSON the API promises. Not
     retried: a server that returns garbage usually keeps doing so."""
+
+
+class TokenMismatchError(MalformedResponseError):
+    """The server generated from other token ids than it was sent: the
+    ``prompt_token_ids`` it echoes for a token-id prompt (``InferenceRequest.prompt_ids``, or
+    the exact continuation of an aborted call) differ from the ids sent, because it
+    re-tokenized them. A rollout built from the response would claim a context the model
+    never saw. Not retried.
+
+    Attributes:
+        sent: the ids sent; ``echoed``: the ids the server says it used; ``index``: the
+        first position where they differ.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sent: list[int] | None = None,
+        echoed: list[int] | None = None,
+        index: int = 0,
+        url: str | None = None,
+    ) -> None:
+        super().__init__(message, url=url)
+        self.sent = sent or []
+        self.echoed = echoed or []
+        self.index = index
 
 
 #: The errors worth retrying: the server or the network may recover. The HTTP backend

@@ -20,6 +20,7 @@ import trio
 from .._messages import ChatMessage, GenerationArgs
 
 __all__ = [
+    "AcceptsTokens",
     "InferenceInterface",
     "InferenceRequest",
     "InferenceResponse",
@@ -31,8 +32,8 @@ __all__ = [
 
 
 def _check_prompt(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, list) or not value:
-        msg = f"prompt must be a non-empty list of ChatMessage, got {value!r:.80}"
+    if not isinstance(value, list):
+        msg = f"prompt must be a list of ChatMessage, got {value!r:.80}"
         raise TypeError(msg)
     for i, message in enumerate(value):
         if not isinstance(message, ChatMessage):
@@ -40,14 +41,40 @@ def _check_prompt(instance: object, attribute: attrs.Attribute[Any], value: obje
             raise TypeError(msg)
 
 
+def _check_prompt_ids(instance: InferenceRequest, attribute: object, value: Any) -> None:
+    if value is None:
+        if not instance.prompt:
+            msg = (
+                "prompt must be a non-empty list of ChatMessage (it may be empty only when "
+                f"prompt_ids is set), got {instance.prompt!r:.80}"
+            )
+            raise TypeError(msg)
+        return
+    if not isinstance(value, list) or not value:
+        msg = f"prompt_ids must be a non-empty list of token ids (int >= 0), got {value!r:.80}"
+        raise TypeError(msg)
+    for i, token in enumerate(value):
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            msg = f"prompt_ids[{i}] must be a token id (an int >= 0), got {token!r:.40}"
+            raise TypeError(msg)
+
+
 @attrs.define(kw_only=True)
 class InferenceRequest:
     """A chat prompt to complete, with optional tool definitions (passed through to the
-    server as the OpenAI ``tools`` field) and the generation arguments to use."""
+    server as the OpenAI ``tools`` field) and the generation arguments to use.
+
+    ``prompt_ids``: token ids to generate from *exactly*, with no chat template (only
+    backends marked :class:`AcceptsTokens` take them). ``prompt`` is then informative (the
+    conversation so far) and may be empty. The response's ``token_ids`` are
+    ``prompt_ids`` followed by the generated ids, and its ``prompt_length`` is
+    ``len(prompt_ids)``.
+    """
 
     prompt: list[ChatMessage] = attrs.field(validator=_check_prompt)
     tools: list[dict[str, Any]] | None = None
     generation_args: GenerationArgs = attrs.field(factory=GenerationArgs)
+    prompt_ids: list[int] | None = attrs.field(default=None, validator=_check_prompt_ids)
 
 
 @attrs.define(kw_only=True)
@@ -110,6 +137,15 @@ class ReturnsLogProbs(ReturnsTokens):
     __slots__ = ()
 
 
+class AcceptsTokens(ReturnsTokens):
+    """Marker: the interface generates from token ids
+    (:attr:`InferenceRequest.prompt_ids`), exactly, with no chat template. A request with
+    ``prompt_ids`` to an interface without it is a ``TypeError`` from
+    :meth:`InferenceInterface.agenerate`."""
+
+    __slots__ = ()
+
+
 @attrs.define(kw_only=True, eq=False)
 class InferenceInterface(abc.ABC):
     """Base of every inference backend.
@@ -154,6 +190,13 @@ class InferenceInterface(abc.ABC):
         """
         if not isinstance(request, InferenceRequest):
             msg = f"agenerate() takes an InferenceRequest, got {type(request).__name__}"
+            raise TypeError(msg)
+        if request.prompt_ids is not None and not isinstance(self, AcceptsTokens):
+            msg = (
+                f"{type(self).__name__} cannot generate from token ids (it is not "
+                "AcceptsTokens): send a request without prompt_ids, or use a backend that "
+                "takes them (EmbeddedInference, OpenAIInference)"
+            )
             raise TypeError(msg)
         return await self.base_generate(request)
 

@@ -47,8 +47,15 @@ from ._control import (
     merge_continuation,
     token_continuation_body,
 )
-from ._errors import InferenceError, MalformedResponseError, UnsupportedFieldError
+from ._errors import (
+    BadRequestError,
+    InferenceError,
+    MalformedResponseError,
+    TokenMismatchError,
+    UnsupportedFieldError,
+)
 from ._interface import (
+    AcceptsTokens,
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
@@ -391,7 +398,7 @@ class _EpochBox:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable):
+class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTokens, Pausable):
     """An OpenAI-compatible HTTP server (vLLM, SGLang, Megatron, OpenAI, ``transformers
     serve``, llama.cpp's server, Ollama) as an inference interface. Frozen: it is
     configuration; what changes lives with each Trio run, except what negotiation learns
@@ -793,8 +800,13 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
         in-flight count before ``trio.Cancelled`` propagates; the server may still finish
         the generation.
         """
-        body = self._request_body(request)
-        path = _ENDPOINT_PATHS[self.endpoint]
+        endpoint: Literal["chat", "completions"] = self.endpoint
+        if request.prompt_ids is None:
+            body = self._request_body(request)
+        else:
+            endpoint = "completions"
+            body = self._token_request_body(request)
+        path = _ENDPOINT_PATHS[endpoint]
         state = self._state()
         pause = state.pause
         if pause.hold is not None:
@@ -802,7 +814,10 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
             state = self._state()  # aclose() during the pause closed the old transport
         epoch = self._epoch.value
         server_pauses = pause.server_pauses
-        response = await self._attempt_with_retries(state, request, body, path)
+        if request.prompt_ids is None:
+            response = await self._attempt_with_retries(state, request, body, path)
+        else:
+            response = await self._token_attempt(state, request, request.prompt_ids, body)
         if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
             response = await self._continue_aborted(state, request, body, path, response)
         if not response.policy_epoch:
@@ -848,15 +863,15 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
                 state, request, continued, _ENDPOINT_PATHS[endpoint], endpoint
             )
             if merged.token_ids is not None:
-                self._check_continued_from(merged.token_ids, segment)
+                self._check_echo(merged.token_ids, segment, "continued an aborted request")
             merged = merge_continuation(merged, segment)
             if merged.finish_reason == ABORT and pause.server_pauses == server_pauses:
                 break  # aborted by something else than a pause: the caller sees it
         return merged
 
-    def _check_continued_from(self, ids: list[int], segment: InferenceResponse) -> None:
-        """A token-id continuation's echoed prompt must be the ids sent: else the merged
-        rollout would claim a context the server did not continue from."""
+    def _check_echo(self, ids: list[int], segment: InferenceResponse, what: str) -> None:
+        """A token-id prompt's echoed ids must be the ids sent: else the rollout would
+        claim a context the server did not generate from (:class:`TokenMismatchError`)."""
         if segment.token_ids is None or segment.prompt_length is None:
             return  # no ids back: the merged response has none either
         echoed = segment.token_ids[: segment.prompt_length]
@@ -866,13 +881,66 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Pausable)
                 min(len(echoed), len(ids)),
             )
             msg = (
-                f"{self.server} ({', '.join(self._shown_urls)}) continued an aborted "
-                "request from other tokens than it was sent: "
-                f"its prompt_token_ids ({len(echoed)} ids) differ from the {len(ids)} ids "
-                f"sent, first at index {first}; the merged rollout would not be the "
-                "tokens the model saw"
+                f"{self.server or 'the server'} ({', '.join(self._shown_urls)}) {what} "
+                "from other tokens than it was sent (it re-tokenized them): its "
+                f"prompt_token_ids ({len(echoed)} ids) differ from the {len(ids)} ids sent, "
+                "first at index "
+                f"{first}; the rollout would not be the tokens the model saw"
             )
-            raise MalformedResponseError(msg)
+            raise TokenMismatchError(msg, sent=list(ids), echoed=echoed, index=first)
+
+    async def _token_attempt(
+        self,
+        state: _RunState,
+        request: InferenceRequest,
+        ids: list[int],
+        body: dict[str, Any],
+    ) -> InferenceResponse:
+        """Send a token-id prompt to ``/v1/completions``; the response must carry the
+        token ids, and the prompt ids it echoes must be the ones sent."""
+        path = _ENDPOINT_PATHS["completions"]
+        try:
+            response = await self._attempt_with_retries(state, request, body, path, "completions")
+        except BadRequestError as error:
+            if isinstance(error, UnsupportedFieldError):
+                raise
+            msg = (
+                f"{error.url or self._shown_urls[0]} refused a token-id prompt "
+                "(InferenceRequest.prompt_ids, sent as /v1/completions 'prompt': [ids]): "
+                f"{error}; use a server that takes token prompts (vLLM, SGLang), or send "
+                "the request without prompt_ids"
+            )
+            raise UnsupportedFieldError(
+                msg,
+                fields=("prompt",),
+                url=error.url,
+                status=error.status,
+                server_message=error.server_message,
+            ) from error
+        if response.token_ids is None or response.prompt_length is None:
+            msg = (
+                f"{self._shown_urls[0]} returned no token ids for a token-id prompt "
+                "(InferenceRequest.prompt_ids needs the generated ids: the server must "
+                "honour return_token_ids, as vLLM and SGLang do)"
+            )
+            raise UnsupportedFieldError(msg, fields=("return_token_ids",))
+        self._check_echo(ids, response, "generated")
+        return response
+
+    def _token_request_body(self, request: InferenceRequest) -> dict[str, Any]:
+        """A ``/v1/completions`` body whose prompt is ``request.prompt_ids``, exactly: no
+        chat template, no tools (they are in the ids). Token ids are always asked for:
+        the response must carry the generated ids."""
+        flags: dict[str, Any] = {"return_token_ids": True}
+        if self.return_logprobs is not False:
+            flags["logprobs"] = 1
+        return {
+            **flags,
+            **self.extra_body,
+            "model": self.model,
+            "prompt": list(request.prompt_ids or []),
+            **request.generation_args.set_fields(),
+        }
 
     async def _attempt_with_retries(
         self,
