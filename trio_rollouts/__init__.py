@@ -44,6 +44,10 @@ from ._multitask import MultiTaskEvaluationResponse as MultiTaskEvaluationRespon
 from ._multitask import WeightedMultiTask as WeightedMultiTask
 from ._multitask import WeightedTask as WeightedTask
 from ._prompts import PromptSource as PromptSource
+from ._renderers import AssistantTurn as AssistantTurn
+from ._renderers import PlainRenderer as PlainRenderer
+from ._renderers import Renderer as Renderer
+from ._renderers import ToolCall as ToolCall
 from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
 from ._stream import RolloutStream as RolloutStream
 from ._weight_update import WeightUpdate as WeightUpdate
