@@ -235,10 +235,26 @@ def _check_token_reward(instance: object, attribute: attrs.Attribute[Any], value
     raise TypeError(msg)
 
 
+#: How faithfully a multi-turn rollout's ids are the ids the model sampled, best first.
+FIDELITY_LEVELS = ("exact", "server_tokens", "retokenized")
+
+
+def _check_fidelity(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and value not in FIDELITY_LEVELS:
+        allowed = ", ".join(repr(level) for level in FIDELITY_LEVELS)
+        msg = f"fidelity must be None or one of {allowed}, got {value!r:.40}"
+        raise ValueError(msg)
+
+
 @attrs.define(kw_only=True)
 class TokenRollout(Record):
     """A tokenized rollout: token ids per trajectory element, which of them the policy
     generated (``generation_mask``) and their log-probabilities.
+
+    ``fidelity`` (multi-turn episodes): ``"exact"`` when every turn's ids are the ones the
+    backend sampled from ids it was given, ``"server_tokens"`` when the server rendered
+    the chat and returned its ids, ``"retokenized"`` when the text was tokenized again;
+    ``None`` elsewhere, and then left out of :func:`~trio_rollouts.unstructure`'s output.
 
     ``logprobs[i]`` holds one value per *generated* token of element ``i`` (the ``True``
     entries of ``generation_mask[i]``; every token when there is no mask), as inference
@@ -254,6 +270,9 @@ class TokenRollout(Record):
     policy_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
     kv_cache_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
     num_evictions: list[int] = attrs.field(factory=list, validator=_check_list)
+    fidelity: str | None = attrs.field(
+        default=None, validator=_check_fidelity, metadata={"omit_if_none": True}
+    )
 
     def __attrs_post_init__(self) -> None:
         n = len(self.trajectory)

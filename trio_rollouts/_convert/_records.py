@@ -243,6 +243,8 @@ def make_record_unstructure(tp: Any, converter: cattrs.Converter) -> Unstructure
         for a in attrs.fields(cls)
         if a.init and not (keeps_extra and a.name == "extra")
     ]
+    # Fields written only when set (a new field that must not change older records).
+    omitted_if_none = frozenset(a.name for a in attrs.fields(cls) if a.metadata.get("omit_if_none"))
     type_name = cls.__name__ if issubclass(cls, EvaluationResponse) else None
     written = frozenset(name for name, _ in plan) | ({"type_name"} if type_name else set())
 
@@ -250,6 +252,8 @@ def make_record_unstructure(tp: Any, converter: cattrs.Converter) -> Unstructure
         out: dict[str, Any] = {}
         for name, fn in plan:
             value = getattr(obj, name)
+            if value is None and name in omitted_if_none:
+                continue
             out[name] = value if fn is None else fn(value)
         if type_name is not None:
             out["type_name"] = type_name
