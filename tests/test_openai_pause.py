@@ -92,6 +92,25 @@ def start(nursery: trio.Nursery, interface: OpenAIInference, request: InferenceR
     return call
 
 
+async def aborted_once(
+    server: FakeOpenAIServer,
+    interface: OpenAIInference,
+    request: InferenceRequest,
+    while_held: Callable[[], None] = lambda: None,
+) -> Call:
+    """Run ``request`` through one ``abort`` update: paused once the server runs it,
+    ``while_held()`` once the call is held, then let go and resumed under epoch 1."""
+    async with trio.open_nursery() as nursery:
+        call = start(nursery, interface, request)
+        await server.wait_running(1)
+        await interface.pause("abort")
+        await eventually(lambda: interface.statistics().held == 1)
+        while_held()
+        server.gate.set()  # type: ignore[union-attr]
+        await interface.resume(1)
+    return call
+
+
 # --------------------------------------------------------------------------- the contract
 
 
@@ -248,17 +267,14 @@ async def test_vllm_abort_continues_a_chat_call_exactly_from_its_token_ids(
     vllm.special_every = 3
     interface = make(vllm.base_url, server="vllm")
     request = ask(interface, "hello world", max_tokens=100)
+
+    def while_held() -> None:
+        assert vllm.aborted == ["a: hell"]  # half of "a: hello world"
+        assert vllm.cache_resets == 0  # the prefix cache the continuation reuses
+        assert len(vllm.received) == 1  # the continuation waits for resume
+
     with trio.fail_after(PROMPT):
-        async with trio.open_nursery() as nursery:
-            call = start(nursery, interface, request)
-            await vllm.wait_running(1)
-            await interface.pause("abort")
-            await eventually(lambda: interface.statistics().held == 1)
-            assert vllm.aborted == ["a: hell"]  # half of "a: hello world"
-            assert vllm.cache_resets == 0  # the prefix cache the continuation reuses
-            assert len(vllm.received) == 1  # the continuation waits for resume
-            vllm.gate.set()  # type: ignore[union-attr]
-            await interface.resume(1)
+        call = await aborted_once(vllm, interface, request, while_held)
     full, partial = "a: hello world", "a: hell"
     assert call.result is not None
     result = call.result
@@ -298,13 +314,7 @@ async def test_an_exact_continuation_without_max_tokens_asks_for_the_rest_of_the
     # /v1/completions defaults to 16 tokens; the chat request it continues had no limit.
     interface = make(vllm.base_url, server="vllm")
     with trio.fail_after(PROMPT):
-        async with trio.open_nursery() as nursery:
-            call = start(nursery, interface, ask(interface, "hello world"))
-            await vllm.wait_running(1)
-            await interface.pause("abort")
-            await eventually(lambda: interface.statistics().held == 1)
-            vllm.gate.set()  # type: ignore[union-attr]
-            await interface.resume(1)
+        call = await aborted_once(vllm, interface, ask(interface, "hello world"))
     assert call.result is not None
     sent = vllm.received[1].body
     assert "max_tokens" in sent
@@ -317,13 +327,7 @@ async def test_a_continuation_that_echoes_other_prompt_ids_is_an_error(
     interface = make(vllm.base_url, server="vllm")
     vllm.reply(Reply(), Reply(top_extra={}, choice_extra={"prompt_token_ids": [1, 2, 3]}))
     with trio.fail_after(PROMPT):
-        async with trio.open_nursery() as nursery:
-            call = start(nursery, interface, ask(interface, "hello world"))
-            await vllm.wait_running(1)
-            await interface.pause("abort")
-            await eventually(lambda: interface.statistics().held == 1)
-            vllm.gate.set()  # type: ignore[union-attr]
-            await interface.resume(1)
+        call = await aborted_once(vllm, interface, ask(interface, "hello world"))
     assert isinstance(call.error, MalformedResponseError)
     assert "from other tokens than it was sent" in str(call.error)
     assert "first at index 0" in str(call.error)
@@ -334,15 +338,12 @@ async def test_vllm_abort_without_token_ids_continues_a_chat_call_from_its_text(
 ) -> None:
     interface = make(vllm.base_url, server="vllm", return_token_ids=False)
     request = ask(interface, "hello world", max_tokens=100)
+
+    def while_held() -> None:
+        assert vllm.aborted == ["a: hell"]  # half of "a: hello world"
+
     with trio.fail_after(PROMPT):
-        async with trio.open_nursery() as nursery:
-            call = start(nursery, interface, request)
-            await vllm.wait_running(1)
-            await interface.pause("abort")
-            await eventually(lambda: interface.statistics().held == 1)
-            assert vllm.aborted == ["a: hell"]  # half of "a: hello world"
-            vllm.gate.set()  # type: ignore[union-attr]
-            await interface.resume(1)
+        call = await aborted_once(vllm, interface, request, while_held)
     full = "a: hello world"
     assert call.result is not None
     result = call.result

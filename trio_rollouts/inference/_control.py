@@ -45,6 +45,7 @@ __all__ = [
     "ServerKind",
     "continuation_body",
     "control_root",
+    "generated_tokens",
     "merge_continuation",
     "missing_endpoint_hint",
     "pause_call",
@@ -300,14 +301,16 @@ class ControlEndpoints:
 # --------------------------------------------------------------------------- continuation
 
 
-def _completion_tokens(response: InferenceResponse) -> int | None:
+def generated_tokens(response: InferenceResponse) -> int | None:
+    """How many tokens ``response`` generated: by its token ids when it has them (what
+    logprobs line up with), else by ``usage.completion_tokens``; ``None`` if unknown."""
+    if response.token_ids is not None and response.prompt_length is not None:
+        return len(response.token_ids) - response.prompt_length
     usage = response.usage
     if usage is not None:
         value = usage.get("completion_tokens")
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    if response.token_ids is not None and response.prompt_length is not None:
-        return len(response.token_ids) - response.prompt_length
     return None
 
 
@@ -324,7 +327,7 @@ def _remaining_max_tokens(body: dict[str, Any], partial: InferenceResponse) -> t
     it was when the count is unknown."""
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
-        used = _completion_tokens(partial)
+        used = generated_tokens(partial)
         if used is not None:
             if max_tokens - used <= 0:
                 return True, None

@@ -29,7 +29,13 @@ from typing import Any
 
 import attrs
 
-__all__ = ["NEGOTIABLE_FIELDS", "Capabilities", "named_fields", "says_unknown"]
+__all__ = [
+    "NEGOTIABLE_FIELDS",
+    "Capabilities",
+    "named_fields",
+    "refused_negotiable",
+    "says_unknown",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +103,22 @@ class Capabilities:
                 option,
                 flag,
             )
+
+
+def refused_negotiable(
+    data: object, message: str, candidates: Iterable[str], sent: Mapping[str, Any]
+) -> set[str]:
+    """The negotiable ``candidates`` that a 400/422 names, a field sent only with one of
+    them (``top_logprobs`` with ``logprobs``) standing for it: refusing it refuses both."""
+    leaders = set(candidates)
+    followers = {
+        follower: leader
+        for leader in leaders
+        for follower in _GROUPS.get(leader, ())
+        if follower in sent
+    }
+    named = named_fields(data, message, leaders | followers.keys())
+    return {followers.get(field, field) for field in named}
 
 
 def named_fields(data: object, message: str, candidates: Iterable[str]) -> set[str]:

@@ -44,6 +44,7 @@ from ._control import (
     ServerKind,
     continuation_body,
     control_root,
+    generated_tokens,
     merge_continuation,
     token_continuation_body,
 )
@@ -64,7 +65,13 @@ from ._interface import (
     render_plain_chat,
 )
 from ._models import ServedModels, model_not_served
-from ._negotiation import NEGOTIABLE_FIELDS, Capabilities, named_fields, says_unknown
+from ._negotiation import (
+    NEGOTIABLE_FIELDS,
+    Capabilities,
+    named_fields,
+    refused_negotiable,
+    says_unknown,
+)
 from ._parse import Response, error_for_status, parse_completion, redact, server_message
 from ._pausable import Pausable, WeightUpdateMode
 from ._retry import RetryBackoff, call_with_retries
@@ -817,7 +824,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         if request.prompt_ids is None:
             response = await self._attempt_with_retries(state, request, body, path)
         else:
-            response = await self._token_attempt(state, request, request.prompt_ids, body)
+            response = await self._token_attempt(state, request, request.prompt_ids, body, path)
         if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
             response = await self._continue_aborted(state, request, body, path, response)
         if not response.policy_epoch:
@@ -895,10 +902,10 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         request: InferenceRequest,
         ids: list[int],
         body: dict[str, Any],
+        path: str,
     ) -> InferenceResponse:
-        """Send a token-id prompt to ``/v1/completions``; the response must carry the
-        token ids, and the prompt ids it echoes must be the ones sent."""
-        path = _ENDPOINT_PATHS["completions"]
+        """Send a token-id prompt to ``/v1/completions`` (``path``); the response must
+        carry the token ids, and the prompt ids it echoes must be the ones sent."""
         try:
             response = await self._attempt_with_retries(state, request, body, path, "completions")
         except BadRequestError as error:
@@ -1059,13 +1066,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         warned about once per replica under negotiation (``None``); logprobs that are not
         one per generated token are dropped (strict: raised)."""
         replica = self._shown_urls[index]
-        usage = response.usage or {}
-        completion_tokens = usage.get("completion_tokens")
-        if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool):
-            completion_tokens = None
-        generated: int | None = completion_tokens
-        if response.token_ids is not None and response.prompt_length is not None:
-            generated = len(response.token_ids) - response.prompt_length
+        generated = generated_tokens(response)
         # Nothing generated (or aborted before the first token): nothing to carry.
         nothing = generated == 0 or (
             generated is None and response.finish_reason == ABORT and not response.response.content
@@ -1171,12 +1172,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         if not candidates:
             return set()
         message, data = said
-        if "logprobs" in candidates and "top_logprobs" in sent:
-            candidates.add("top_logprobs")
-        named = named_fields(data, message, candidates)
-        if "top_logprobs" in named:  # sent with logprobs, and dropped with it
-            named = (named - {"top_logprobs"}) | {"logprobs"}
-        return named
+        return refused_negotiable(data, message, candidates, sent)
 
     def _status_error(
         self,
