@@ -13,6 +13,12 @@ from ._convert import dump_jsonl as dump_jsonl
 from ._convert import load_jsonl as load_jsonl
 from ._convert import structure as structure
 from ._convert import unstructure as unstructure
+from ._environment import BaseEnvironment as BaseEnvironment
+from ._environment import Environment as Environment
+from ._environment import EnvironmentStep as EnvironmentStep
+from ._episodes import MultiTurnAgent as MultiTurnAgent
+from ._episodes import TemplateBreakError as TemplateBreakError
+from ._episodes import TokenFidelityError as TokenFidelityError
 from ._evaluation import PassAtKEvaluationAgent as PassAtKEvaluationAgent
 from ._evaluation import PassAtKEvaluationResponse as PassAtKEvaluationResponse
 from ._evaluation import PassAtKResult as PassAtKResult
@@ -22,6 +28,7 @@ from ._evaluation import shard_indices as shard_indices
 from ._failure import FailureBudgetExceededError as FailureBudgetExceededError
 from ._failure import FailurePolicy as FailurePolicy
 from ._failure import GroupTimeoutError as GroupTimeoutError
+from ._failure import StepTimeoutError as StepTimeoutError
 from ._ledger import EnvironmentStatistics as EnvironmentStatistics
 from ._ledger import RolloutStreamStatistics as RolloutStreamStatistics
 from ._models import ChatMessage as ChatMessage

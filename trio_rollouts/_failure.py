@@ -28,12 +28,20 @@ __all__ = [
     "FailureBudgetExceededError",
     "FailurePolicy",
     "GroupTimeoutError",
+    "StepTimeoutError",
     "default_transient_errors",
 ]
 
 
 class GroupTimeoutError(TimeoutError):
     """A ``group_rollout`` call ran past the policy's ``group_timeout`` and was cancelled."""
+
+
+class StepTimeoutError(TimeoutError):
+    """An environment's ``step`` ran past :attr:`MultiTurnAgent.step_timeout
+    <trio_rollouts.MultiTurnAgent.step_timeout>` and was cancelled (a sandbox that hangs,
+    a tool that never answers). Transient by default: the whole group is retried when the
+    policy allows retries."""
 
 
 class FailureBudgetExceededError(RuntimeError):
@@ -49,8 +57,9 @@ class FailureBudgetExceededError(RuntimeError):
 
 
 def default_transient_errors() -> tuple[type[BaseException], ...]:
-    """The inference layer's transient errors and the group deadline."""
-    return (*TRANSIENT_ERRORS, GroupTimeoutError)
+    """The inference layer's transient errors, the group deadline and the environment
+    step deadline."""
+    return (*TRANSIENT_ERRORS, GroupTimeoutError, StepTimeoutError)
 
 
 def _non_negative_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -89,8 +98,8 @@ class FailurePolicy:
       enforces it); a timed-out call fails with :class:`GroupTimeoutError`.
     - ``max_attempts``: attempts per group, retries included (1: no retry).
     - ``retry_on``: exception types that are transient, hence retried. Default: the
-      inference layer's transient errors (connection errors, timeouts, 408/409/429/5xx)
-      and :class:`GroupTimeoutError`.
+      inference layer's transient errors (connection errors, timeouts, 408/409/429/5xx),
+      :class:`GroupTimeoutError` and :class:`StepTimeoutError`.
     - ``wait_initial``, ``wait_max``, ``wait_jitter``: the exponential backoff between
       attempts (seconds; stamina's meaning).
     - ``on_failure``: ``"raise"`` or ``"skip"``; see the module docstring.

@@ -19,13 +19,22 @@ scope each, registered here so that a held update can stop its clock.
 from __future__ import annotations
 
 import collections
+import contextvars
 import enum
 import math
 from collections.abc import Sequence
 
 import trio
 
-__all__ = ["DropReason", "UpdateGate", "exceeds_bound"]
+__all__ = ["DropReason", "UpdateGate", "call_start_epoch", "exceeds_bound"]
+
+#: The policy epoch the current ``group_rollout`` call started under (its group's
+#: ``start_epoch``), set by the pipeline's worker before each call. Tasks an agent starts
+#: inherit it, so an agent can stamp turns whose backend stamps no epoch (multi-turn
+#: episodes). Unset outside the pipeline.
+call_start_epoch: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "trio_rollouts_call_start_epoch"
+)
 
 
 def exceeds_bound(start_epoch: int, epoch: int, bound: int | None) -> bool:

@@ -147,7 +147,7 @@ import trio
 from ._concurrency import describe_error, flatten_exception_groups, real_leaves
 from ._draws import Draw, DrawBook, current_draws, finish, give_back
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
-from ._gate import DropReason, UpdateGate
+from ._gate import DropReason, UpdateGate, call_start_epoch
 from ._ledger import EnvironmentCounters, Ledger
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._models import checked_group as prechecked_group
@@ -469,6 +469,7 @@ class Pipeline:
         slots = self.slots
         timed = self.timed
         call_epoch = self.call_epoch
+        set_start_epoch = call_start_epoch.set
         # How this worker last stopped waiting, for Slots.claim's books: PARKED or SENT
         # (unparked, or woken from a full channel's send, to claim next), or 0.
         woken = 0
@@ -518,6 +519,7 @@ class Pipeline:
                     ledger.started += 1
                     ledger.in_flight += 1
                     epoch = call_epoch[number] = gate.epoch
+                    set_start_epoch(epoch)
                     if timed:
                         gate.start_clock(number)
                     failure: BaseException | None = None
@@ -724,6 +726,7 @@ class Pipeline:
         ledger.started += 1
         ledger.in_flight += 1
         epoch = self.call_epoch[number] = gate.epoch
+        call_start_epoch.set(epoch)
         if env is not None:
             env.started += 1
         try:

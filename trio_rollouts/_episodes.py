@@ -1,0 +1,627 @@
+"""Multi-turn episodes, token-exact: :class:`MultiTurnAgent`.
+
+An episode is a token stream, not a message list. Its ids start as the renderer's render
+of the environment's first messages; each turn generates from exactly those ids
+(``prompt_ids``) and appends the ids the model sampled *verbatim* (mask 1, with their
+logprobs); the environment answers the parsed turn; and only what comes between two
+assistant turns (the environment's messages and the next generation prompt, the
+renderer's :meth:`~trio_rollouts.Renderer.bridge`) is rendered, with mask 0. So every
+turn's prompt is a prefix of the element's ids (the *extension property*), and the
+trainer gets the ids the model saw and sampled, never a re-tokenization of them.
+
+When a bridge cannot be proved (the renderer says ``None``) or the tool set changes,
+the episode either starts a new trajectory element from a full render
+(``on_break="split"``) or raises :class:`TemplateBreakError`. How faithful each turn's
+ids are (``fidelity``) follows from the backend: ``"exact"`` when it generates from ids
+(:class:`~trio_rollouts.inference.AcceptsTokens`), ``"server_tokens"`` when it renders
+the chat itself but returns the ids (:class:`~trio_rollouts.inference.ReturnsTokens`),
+``"retokenized"`` when it returns text only.
+
+Concurrency: a group's episodes run in one nursery (the first failure cancels the
+others and the group fails as one, for :class:`~trio_rollouts.FailurePolicy` to retry
+or skip); ``environment_concurrency`` bounds the ``reset``/``step`` calls in flight
+across the agent; ``step_timeout`` bounds each ``step``; every environment is closed
+exactly once, on every route, shielded and bounded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from ._agents import GroupedRolloutGenerator
+from ._checks import int_at_least as _int_at_least
+from ._checks import optional_int_at_least as _optional_int_at_least
+from ._checks import seconds as _seconds
+from ._concurrency import gather
+from ._environment import Environment, EnvironmentStep, check_reward, checked_messages
+from ._failure import StepTimeoutError
+from ._gate import call_start_epoch
+from ._messages import ChatMessage
+from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, TokenRollout
+from ._renderers import AssistantTurn, Renderer
+from .inference._errors import TokenMismatchError
+from .inference._interface import (
+    AcceptsTokens,
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    ReturnsLogProbs,
+    ReturnsTokens,
+)
+from .inference._pausable import Pausable
+
+__all__ = ["ACLOSE_SECONDS", "MultiTurnAgent", "TemplateBreakError", "TokenFidelityError"]
+
+#: How long :meth:`Environment.aclose` may take (shielded) before it is abandoned.
+ACLOSE_SECONDS = 5.0
+
+#: Each fidelity level's rank: higher is more faithful.
+_RANK = {level: len(FIDELITY_LEVELS) - i for i, level in enumerate(FIDELITY_LEVELS)}
+
+
+class TemplateBreakError(RuntimeError):
+    """An episode could not be continued as one token stream (the renderer could not
+    prove a bridge, the tool set changed, or the server rendered another prompt than the
+    episode's ids) and the agent's ``on_break`` is ``"raise"``. Not transient: the same
+    conversation breaks the same way again."""
+
+
+class TokenFidelityError(RuntimeError):
+    """A turn's ids would be less faithful than the agent's ``min_fidelity`` allows: the
+    message names the backend, what it lacked, and the fix. Not transient."""
+
+
+def _check_renderer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, Renderer):
+        msg = (
+            f"renderer must be a Renderer (PlainRenderer, HFRenderer or one of your own), "
+            f"got {type(value).__name__} {value!r:.60}"
+        )
+        raise TypeError(msg)
+
+
+def _check_environment(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not callable(value):
+        msg = (
+            "environment must be a callable that makes one Environment per episode "
+            f"(problem -> Environment, such as an Environment class), got {value!r:.60}"
+        )
+        raise TypeError(msg)
+
+
+def _check_on_break(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("split", "raise"):
+        msg = f"on_break must be 'split' or 'raise', got {value!r:.40}"
+        raise ValueError(msg)
+
+
+def _check_min_fidelity(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in FIDELITY_LEVELS:
+        allowed = ", ".join(repr(level) for level in FIDELITY_LEVELS)
+        msg = f"min_fidelity must be one of {allowed}, got {value!r:.40}"
+        raise ValueError(msg)
+
+
+def backend_fidelity(interface: object) -> str:
+    """The fidelity a backend's markers promise for each turn."""
+    if isinstance(interface, AcceptsTokens):
+        return "exact"
+    if isinstance(interface, ReturnsTokens):
+        return "server_tokens"
+    return "retokenized"
+
+
+def _describe(interface: object) -> str:
+    urls = getattr(interface, "base_urls", None)
+    name = type(interface).__name__
+    if isinstance(urls, tuple) and urls:
+        return f"{name} ({', '.join(map(str, urls))})"
+    return name
+
+
+def _fidelity_error(interface: object, fidelity: str, minimum: str, lacked: str) -> str:
+    return (
+        f"{_describe(interface)} {lacked}, so the turn's ids would be {fidelity!r}, below "
+        f"min_fidelity={minimum!r}. Use a backend that generates from token ids "
+        "(AcceptsTokens: OpenAIInference against vLLM or SGLang, EmbeddedInference) or "
+        "one that returns the ids it rendered and sampled (ReturnsTokens), or lower "
+        f"min_fidelity to {fidelity!r} to train on these ids knowingly"
+    )
+
+
+def _lacked(fidelity: str) -> str:
+    if fidelity == "server_tokens":
+        return "renders the chat itself (it does not generate from token ids)"
+    return "returns text only (no token ids)"
+
+
+@attrs.define(eq=False)
+class _Element:
+    """One trajectory element being built: its ids, which were sampled, their logprobs,
+    and the epoch boundaries."""
+
+    ids: list[int]
+    mask: list[bool]
+    logprobs: list[float] | None = attrs.field(factory=list)
+    policy_epoch: list[tuple[int, int]] = attrs.field(factory=list)
+    kv_cache_epoch: list[tuple[int, int]] = attrs.field(factory=list)
+    evictions: int = 0
+
+    @classmethod
+    def scaffold(cls, ids: list[int]) -> _Element:
+        return cls(ids=list(ids), mask=[False] * len(ids))
+
+    def extend(self, ids: Sequence[int]) -> None:
+        """Append ids that were not sampled (mask 0)."""
+        self.ids.extend(ids)
+        self.mask.extend([False] * len(ids))
+
+    def sampled(
+        self, ids: Sequence[int], logprobs: Sequence[float] | None, response: InferenceResponse
+    ) -> None:
+        """Append one turn's sampled ids (mask 1), their logprobs and epochs."""
+        offset = len(self.ids)
+        self.ids.extend(ids)
+        self.mask.extend([True] * len(ids))
+        if logprobs is None:
+            self.logprobs = None
+        elif self.logprobs is not None:
+            self.logprobs.extend(logprobs)
+        self.evictions += response.num_evictions
+        if ids:
+            last = len(self.ids) - 1
+            for start, epoch in response.policy_epoch:
+                _boundary(self.policy_epoch, min(offset + start, last), epoch)
+            for start, epoch in response.kv_cache_epoch:
+                _boundary(self.kv_cache_epoch, min(offset + start, last), epoch)
+
+    def unstamped(self, epoch: int, offset: int) -> None:
+        """A turn whose backend stamped no epoch, from ``offset``: generated under
+        ``epoch`` (the group's ``start_epoch``)."""
+        _boundary(self.policy_epoch, offset, epoch)
+        _boundary(self.kv_cache_epoch, offset, epoch)
+
+
+def _boundary(boundaries: list[tuple[int, int]], index: int, epoch: int) -> None:
+    """Add an ``(index, epoch)`` boundary: the first is at 0; later ones only where the
+    epoch changes, at strictly increasing indices."""
+    if not boundaries:
+        boundaries.append((0, epoch))
+        return
+    start, current = boundaries[-1]
+    if current == epoch:
+        return
+    if start >= index:
+        boundaries[-1] = (start, epoch)
+        if len(boundaries) > 1 and boundaries[-2][1] == epoch:
+            boundaries.pop()
+    else:
+        boundaries.append((index, epoch))
+
+
+@attrs.define(kw_only=True)
+class MultiTurnAgent(GroupedRolloutGenerator):
+    """Runs ``rollouts_per_group`` episodes of one problem concurrently and returns one
+    :class:`~trio_rollouts.TokenRollout` per episode, token-exact (see the module
+    docstring and the docs page "Multi-turn agents and tools").
+
+    Problems come from ``prompts`` (a :class:`~trio_rollouts.PromptSource`, one draw
+    per group), or from an override of :meth:`get_problem`.
+
+    An episode: ``ids = renderer.render(env.reset(), tools=env.tools)``; each turn
+    generates from ``prompt_ids=ids`` with the request's generation arguments
+    (``max_tokens`` capped by what ``max_episode_tokens`` leaves), appends the sampled ids
+    with mask 1, parses them (:meth:`Renderer.parse`), calls ``env.step``, and appends
+    the bridge with mask 0 (after ``close_ids`` when the turn was cut by ``max_tokens``).
+    It ends when a step is ``done`` (finish ``"done"``, its reward), at ``max_turns``
+    (``"max_turns"``) or when ``max_episode_tokens`` is reached (``"max_tokens"``); an
+    episode ended by a limit gets ``env.final_reward()``. ``env.step`` is called for
+    every turn, the last included, and its ``done`` wins over the limits.
+
+    The rollout: one trajectory element per segment (normally one); ``generation_mask``
+    True exactly on sampled ids; ``logprobs`` one per sampled id (``None`` when any turn
+    has none); ``policy_epoch``/``kv_cache_epoch`` boundaries at positions in the element
+    (the backend's stamps per turn, else the group's ``start_epoch``); ``fidelity`` the
+    lowest of the turns'; ``extra["episode"]``: ``turns``, ``finish``, ``breaks``,
+    ``tool_calls``, ``parse_errors`` and ``truncated_turns``.
+
+    Cancellation: :meth:`group_rollout` runs the episodes in one nursery; cancelling it
+    cancels every model call and environment step, closes every environment (shielded,
+    at most 5 seconds each) and returns only when all of that has ended.
+    """
+
+    #: Makes one environment per episode: ``problem -> Environment`` (sync).
+    environment: Callable[[Problem], Environment] = attrs.field(validator=_check_environment)
+    #: The model family's chat template, in ids.
+    renderer: Renderer = attrs.field(validator=_check_renderer)
+    #: At most this many assistant turns per episode.
+    max_turns: int = attrs.field(default=8, validator=_int_at_least(1))
+    #: At most this many ids per trajectory element (``None``: no bound).
+    max_episode_tokens: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
+    #: Seconds one ``env.step`` may take (``None``: no deadline); past it the step is
+    #: cancelled and the episode fails with :class:`StepTimeoutError`.
+    step_timeout: float | None = attrs.field(default=None, validator=_seconds(positive=True))
+    #: At most this many ``reset``/``step`` calls at once across the agent (``None``: no
+    #: bound). Waiting for one does not count against ``step_timeout``.
+    environment_concurrency: int | None = attrs.field(
+        default=None, validator=_optional_int_at_least(1)
+    )
+    #: What a template break does: ``"split"`` (a new trajectory element from a full
+    #: render) or ``"raise"`` (:class:`TemplateBreakError`).
+    on_break: Literal["split", "raise"] = attrs.field(default="split", validator=_check_on_break)
+    #: The least faithful ids a turn may have (:class:`TokenFidelityError` below it).
+    min_fidelity: str = attrs.field(default="server_tokens", validator=_check_min_fidelity)
+    #: The environment's name, stamped on every rollout (``env_id``).
+    env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    # The environment_concurrency limiter of the current Trio run, and that run.
+    _limiter: trio.CapacityLimiter | None = attrs.field(init=False, default=None, repr=False)
+    _limiter_run: object = attrs.field(init=False, default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompts is None and type(self).get_problem is MultiTurnAgent.get_problem:
+            msg = (
+                f"{type(self).__name__} needs problems: pass prompts= (a PromptSource) or "
+                "override get_problem(request)"
+            )
+            raise TypeError(msg)
+
+    async def get_problem(self, request: GroupedRolloutRequest) -> Problem:
+        """The problem of one group: the next draw from ``prompts``. Override it to take
+        problems from elsewhere.
+
+        Cancellation: a checkpoint."""
+        await trio.lowlevel.checkpoint()
+        if self.prompts is None:
+            msg = f"{type(self).__name__} has no prompts; pass prompts= or override get_problem"
+            raise ValueError(msg)
+        return self.prompts.draw()
+
+    async def group_rollout(self, request: GroupedRolloutRequest) -> list[TokenRollout]:
+        """Run ``request.rollouts_per_group`` episodes of one problem concurrently.
+
+        Raises :class:`TokenFidelityError` before any work when the backend cannot give
+        ``min_fidelity``. The first failing episode cancels the others and is raised as
+        itself.
+
+        Cancellation: cancels every model call and environment step; returns (or
+        raises) only when every episode has ended and every environment was closed.
+        """
+        interface = request.inference_interface
+        fidelity = backend_fidelity(interface)
+        if _RANK[fidelity] < _RANK[self.min_fidelity]:
+            message = _fidelity_error(interface, fidelity, self.min_fidelity, _lacked(fidelity))
+            raise TokenFidelityError(message)
+        problem = await self.get_problem(request)
+        if not isinstance(problem, Problem):
+            msg = f"get_problem must return a Problem, got {type(problem).__name__}"
+            raise TypeError(msg)
+        start_epoch = call_start_epoch.get(None)
+        if start_epoch is None:
+            # Called outside the pipeline: the epoch the stream would start under.
+            if request.initial_epoch is not None:
+                start_epoch = request.initial_epoch
+            elif isinstance(interface, Pausable):
+                start_epoch = interface.policy_epoch
+            else:
+                start_epoch = 0
+        episode = _Episode(self, problem, request, start_epoch)
+        return await gather([episode.run] * request.rollouts_per_group)
+
+    def _environment_limiter(self) -> trio.CapacityLimiter | None:
+        """The limiter of ``environment_concurrency`` for the current Trio run (a new
+        one per run: the sync bridge and Ray run the agent in runs of their own)."""
+        if self.environment_concurrency is None:
+            return None
+        run = trio.lowlevel.current_root_task()
+        if self._limiter is None or self._limiter_run is not run:
+            self._limiter = trio.CapacityLimiter(self.environment_concurrency)
+            self._limiter_run = run
+        return self._limiter
+
+
+@attrs.define(eq=False)
+class _Episode:
+    """What the episodes of one group share; :meth:`run` is one episode."""
+
+    agent: MultiTurnAgent
+    problem: Problem
+    request: GroupedRolloutRequest
+    start_epoch: int
+
+    async def run(self) -> TokenRollout:
+        """One episode: make its environment, run it, close it on every route."""
+        env = self.agent.environment(self.problem)
+        if not isinstance(env, Environment):
+            msg = (
+                f"environment({self.problem.problem_id!r}) returned a "
+                f"{type(env).__name__}, not an Environment (reset, step, final_reward, "
+                "aclose and tools; subclass BaseEnvironment)"
+            )
+            raise TypeError(msg)
+        try:
+            rollout = await _Run(self, env).episode()
+        except BaseException as exc:
+            await _close(env, exc)
+            raise
+        await _close(env, None)
+        return rollout
+
+
+async def _close(env: Environment, failure: BaseException | None) -> None:
+    """``env.aclose()``, shielded and bounded by :data:`ACLOSE_SECONDS`. Its own error is
+    raised when the episode succeeded, and noted on the episode's error otherwise."""
+    with trio.move_on_after(ACLOSE_SECONDS, shield=True) as scope:
+        try:
+            await env.aclose()
+        except Exception as error:
+            if failure is None:
+                raise
+            failure.add_note(f"then {type(env).__name__}.aclose() raised {error!r}")
+    if scope.cancelled_caught:
+        msg = (
+            f"{type(env).__name__}.aclose() did not finish within {ACLOSE_SECONDS} s and "
+            "was cancelled; what it holds may not have been released"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+
+@attrs.define(eq=False)
+class _Run:
+    """The state of one episode while it runs."""
+
+    shared: _Episode
+    env: Environment
+    elements: list[_Element] = attrs.field(factory=list)
+    conversation: list[ChatMessage] = attrs.field(factory=list)
+    tools: list[dict[str, Any]] | None = None
+    fidelity: str = "exact"
+    turns: int = 0
+    breaks: int = 0
+    tool_calls: int = 0
+    parse_errors: int = 0
+    truncated_turns: int = 0
+
+    async def episode(self) -> TokenRollout:
+        agent = self.shared.agent
+        renderer = agent.renderer
+        budget = agent.max_episode_tokens
+        interface = self.shared.request.inference_interface
+        self.fidelity = backend_fidelity(interface)
+        messages = checked_messages(await self.limited(self.env.reset()), "reset()")
+        self.conversation = list(messages)
+        self.tools = self.env.tools
+        self.elements.append(_Element.scaffold(renderer.render(messages, tools=self.tools)))
+        finish: str
+        reward: float | None = None
+        while True:
+            element = self.elements[-1]
+            if budget is not None and budget - len(element.ids) < 1:
+                finish = "max_tokens"
+                break
+            response, sampled = await self.generate(interface, element, budget)
+            self.turns += 1
+            turn = renderer.parse(sampled)
+            self.tool_calls += len(turn.tool_calls)
+            self.parse_errors += turn.parse_error is not None
+            step = await self.step(turn)
+            if step.done:
+                finish, reward = "done", step.reward
+                break
+            if budget is not None and len(self.elements[-1].ids) >= budget:
+                finish = "max_tokens"
+                break
+            if self.turns >= agent.max_turns:
+                finish = "max_turns"
+                break
+            if not self.go_on(sampled, response.finish_reason == "length", step):
+                finish = "max_tokens"
+                break
+        if reward is None:
+            reward = check_reward(await self.env.final_reward(), "final_reward()")
+        return self.rollout(float(reward), finish)
+
+    async def generate(
+        self, interface: InferenceInterface, element: _Element, budget: int | None
+    ) -> tuple[InferenceResponse, list[int]]:
+        """One turn: generate, check the ids, append the sampled ones; return the
+        response and the sampled ids."""
+        request = self.shared.request
+        args = request.generation_args
+        if budget is not None:
+            left = budget - len(element.ids)
+            args = attrs.evolve(
+                args, max_tokens=left if args.max_tokens is None else min(args.max_tokens, left)
+            )
+        kind = backend_fidelity(interface)
+        inference_request = InferenceRequest(
+            prompt=list(self.conversation),
+            tools=self.tools,
+            generation_args=args,
+            prompt_ids=list(element.ids) if kind == "exact" else None,
+        )
+        response = await interface.agenerate(inference_request)
+        token_ids = response.token_ids
+        if kind != "exact" and token_ids is None:
+            kind = "retokenized"
+        agent = self.shared.agent
+        if _RANK[kind] < _RANK[agent.min_fidelity]:
+            lacked = "returned no token ids for this turn"
+            raise TokenFidelityError(_fidelity_error(interface, kind, agent.min_fidelity, lacked))
+        logprobs: list[float] | None = None
+        if kind == "retokenized" or token_ids is None:
+            sampled = agent.renderer.encode(response.response.content)
+        else:
+            prompt_length = response.prompt_length
+            if prompt_length is None or not 0 <= prompt_length <= len(token_ids):
+                msg = (
+                    f"{_describe(interface)} returned token_ids with prompt_length="
+                    f"{prompt_length!r}; it must be the number of prompt ids in token_ids"
+                )
+                raise ValueError(msg)
+            prompt = token_ids[:prompt_length]
+            sampled = token_ids[prompt_length:]
+            if prompt != element.ids:
+                if kind == "exact":
+                    raise _mismatch(interface, element.ids, prompt)
+                element = self.server_break(prompt)
+            logprobs = response.logprobs
+            if logprobs is not None and len(logprobs) != len(sampled):
+                if isinstance(interface, ReturnsLogProbs):
+                    msg = (
+                        f"{_describe(interface)} returned {len(logprobs)} logprobs for "
+                        f"{len(sampled)} sampled ids; it must return one per sampled id"
+                    )
+                    raise ValueError(msg)
+                logprobs = None
+        if kind != "exact":
+            self.fidelity = min(self.fidelity, kind, key=_RANK.__getitem__)
+        offset = len(element.ids)
+        element.sampled(sampled, logprobs, response)
+        if not response.policy_epoch and sampled:
+            element.unstamped(self.shared.start_epoch, offset)
+        elif not element.policy_epoch:
+            element.unstamped(self.shared.start_epoch, 0)
+        return response, sampled
+
+    def server_break(self, server_prompt: list[int]) -> _Element:
+        """The server rendered another prompt than the episode's ids: a break. The new
+        element starts from what the model saw (an element with no sampled ids yet is
+        replaced)."""
+        self.broke(
+            "the server rendered a prompt that differs from the episode's ids (its chat "
+            "template is not the renderer's, or it re-tokenized the conversation)"
+        )
+        element = _Element.scaffold(server_prompt)
+        if any(self.elements[-1].mask):
+            self.elements.append(element)
+        else:
+            self.elements[-1] = element
+        return element
+
+    def broke(self, why: str) -> None:
+        """Count a template break, or raise it (``on_break="raise"``)."""
+        if self.shared.agent.on_break == "raise":
+            msg = f"turn {self.turns + 1} of problem {self.shared.problem.problem_id!r}: {why}"
+            raise TemplateBreakError(msg)
+        self.breaks += 1
+
+    async def step(self, turn: AssistantTurn) -> EnvironmentStep:
+        """``env.step(turn)``, within ``environment_concurrency`` and ``step_timeout``
+        (waiting for a slot does not count against the deadline)."""
+        limiter = self.shared.agent._environment_limiter()
+        if limiter is None:
+            step = await self.timed_step(turn)
+        else:
+            async with limiter:
+                step = await self.timed_step(turn)
+        if not isinstance(step, EnvironmentStep):
+            msg = (
+                f"{type(self.env).__name__}.step() returned a {type(step).__name__}, not an "
+                "EnvironmentStep"
+            )
+            raise TypeError(msg)
+        return step
+
+    async def timed_step(self, turn: AssistantTurn) -> EnvironmentStep:
+        timeout = self.shared.agent.step_timeout
+        if timeout is None:
+            return await self.env.step(turn)
+        with trio.move_on_after(timeout):
+            return await self.env.step(turn)
+        msg = (
+            f"{type(self.env).__name__}.step() ran past step_timeout={timeout} s on turn "
+            f"{self.turns} of problem {self.shared.problem.problem_id!r} and was cancelled"
+        )
+        raise StepTimeoutError(msg)
+
+    async def limited(self, call: Any) -> Any:
+        """Await ``call`` (``reset()``) within ``environment_concurrency``."""
+        limiter = self.shared.agent._environment_limiter()
+        if limiter is None:
+            return await call
+        async with limiter:
+            return await call
+
+    def go_on(self, sampled: list[int], truncated: bool, step: EnvironmentStep) -> bool:
+        """Append what comes before the next turn (close ids after a truncated turn, then
+        the bridge, or a new element after a break); ``False`` when that would leave no
+        room for a turn within ``max_episode_tokens`` (then nothing is appended)."""
+        agent = self.shared.agent
+        renderer = agent.renderer
+        budget = agent.max_episode_tokens
+        element = self.elements[-1]
+        stops = renderer.stop_token_ids
+        content = sampled
+        while content and content[-1] in stops:
+            content = content[:-1]
+        self.conversation.append(ChatMessage(role="assistant", content=renderer.decode(content)))
+        new_messages = list(step.messages)
+        self.conversation.extend(new_messages)
+        tools = self.env.tools
+        close = list(renderer.close_ids) if truncated else []
+        bridge = None
+        if tools != self.tools:
+            why = "the environment's tools changed"
+        else:
+            bridge = renderer.bridge(element.ids + close, new_messages, tools=tools)
+            why = "the renderer could not prove a bridge (its template is not append-only)"
+        if bridge is None:
+            self.broke(why)
+            self.tools = tools
+            ids = renderer.render(self.conversation, tools=tools)
+            if budget is not None and len(ids) >= budget:
+                return False
+            self.elements.append(_Element.scaffold(ids))
+        else:
+            if budget is not None and len(element.ids) + len(close) + len(bridge) >= budget:
+                return False
+            element.extend(close)
+            element.extend(bridge)
+        self.truncated_turns += truncated
+        return True
+
+    def rollout(self, reward: float, finish: str) -> TokenRollout:
+        elements = self.elements
+        for element in elements:
+            if not element.policy_epoch:
+                element.unstamped(self.shared.start_epoch, 0)
+        has_logprobs = all(element.logprobs is not None for element in elements)
+        return TokenRollout(
+            trajectory=[element.ids for element in elements],
+            reward=reward,
+            generation_mask=[element.mask for element in elements],
+            logprobs=[element.logprobs or [] for element in elements] if has_logprobs else None,
+            env_id=self.shared.agent.env_id,
+            problem_id=self.shared.problem.problem_id,
+            policy_epoch=[element.policy_epoch for element in elements],
+            kv_cache_epoch=[element.kv_cache_epoch for element in elements],
+            num_evictions=[element.evictions for element in elements],
+            fidelity=self.fidelity,
+            extra={
+                "episode": {
+                    "turns": self.turns,
+                    "finish": finish,
+                    "breaks": self.breaks,
+                    "tool_calls": self.tool_calls,
+                    "parse_errors": self.parse_errors,
+                    "truncated_turns": self.truncated_turns,
+                }
+            },
+        )
+
+
+def _mismatch(interface: object, sent: list[int], echoed: list[int]) -> TokenMismatchError:
+    index = next(
+        (i for i, (a, b) in enumerate(zip(sent, echoed, strict=False)) if a != b),
+        min(len(sent), len(echoed)),
+    )
+    msg = (
+        f"{_describe(interface)} generated from other ids than the episode's: they differ "
+        f"first at index {index} (sent {len(sent)} ids, it echoed {len(echoed)})"
+    )
+    return TokenMismatchError(msg, sent=sent, echoed=echoed, index=index)
