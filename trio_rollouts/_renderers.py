@@ -155,27 +155,7 @@ class PlainRenderer:
         return self.encode(text + "<|assistant|>\n")
 
     def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
-        text = self.decode(completion_ids)
-        reasoning = None
-        thought = _THINK.match(text)
-        if thought is not None:
-            reasoning = thought.group(1)
-            text = text[thought.end() :]
-        calls: list[ToolCall] = []
-        errors: list[str] = []
-        for number, found in enumerate(_TOOL_CALL.finditer(text)):
-            raw, closed = found.group(1), bool(found.group(2))
-            call, error = _tool_call(f"call_{number}", raw, closed)
-            calls.append(call)
-            if error is not None:
-                errors.append(f"tool call {number}: {error}")
-        content = _TOOL_CALL.sub("", text).strip()
-        return AssistantTurn(
-            content=content,
-            tool_calls=tuple(calls),
-            reasoning=reasoning,
-            parse_error="; ".join(errors) or None,
-        )
+        return _parse_turn(self.decode(completion_ids))
 
     def decode(self, ids: Sequence[int]) -> str:
         for i, token in enumerate(ids):
@@ -189,6 +169,32 @@ class PlainRenderer:
 
     def encode(self, text: str) -> list[int]:
         return [ord(character) for character in text]
+
+
+def _parse_turn(text: str) -> AssistantTurn:
+    """An assistant turn parsed from its text: an opening ``<think>...</think>`` block is the
+    reasoning, each ``<tool_call>{JSON}</tool_call>`` a :class:`ToolCall` (an unclosed one
+    runs to the end), and what is left, stripped, the content."""
+    reasoning = None
+    thought = _THINK.match(text)
+    if thought is not None:
+        reasoning = thought.group(1)
+        text = text[thought.end() :]
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for number, found in enumerate(_TOOL_CALL.finditer(text)):
+        raw, closed = found.group(1), bool(found.group(2))
+        call, error = _tool_call(f"call_{number}", raw, closed)
+        calls.append(call)
+        if error is not None:
+            errors.append(f"tool call {number}: {error}")
+    content = _TOOL_CALL.sub("", text).strip()
+    return AssistantTurn(
+        content=content,
+        tool_calls=tuple(calls),
+        reasoning=reasoning,
+        parse_error="; ".join(errors) or None,
+    )
 
 
 def _message_text(message: ChatMessage) -> str:
