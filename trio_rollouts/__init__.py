@@ -52,6 +52,7 @@ from ._multitask import WeightedMultiTask as WeightedMultiTask
 from ._multitask import WeightedTask as WeightedTask
 from ._prompts import PromptSource as PromptSource
 from ._renderers import AssistantTurn as AssistantTurn
+from ._renderers import HFRenderer as HFRenderer
 from ._renderers import PlainRenderer as PlainRenderer
 from ._renderers import Renderer as Renderer
 from ._renderers import ToolCall as ToolCall

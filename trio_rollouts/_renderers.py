@@ -9,22 +9,25 @@ without ever rendering it again.
 
 :class:`PlainRenderer` needs no dependency: its ids are Unicode code points and its layout
 is :func:`~trio_rollouts.inference.render_plain_chat`'s, so it matches
-:class:`~trio_rollouts.inference.EmbeddedInference`'s tokens exactly.
+:class:`~trio_rollouts.inference.EmbeddedInference`'s tokens exactly. :class:`HFRenderer`
+renders with a Hugging Face tokenizer's chat template (``transformers`` is needed only by
+:meth:`HFRenderer.from_pretrained`, the ``hf`` extra).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from ._messages import ChatMessage
 
-__all__ = ["AssistantTurn", "PlainRenderer", "Renderer", "ToolCall"]
+__all__ = ["AssistantTurn", "HFRenderer", "PlainRenderer", "Renderer", "ToolCall"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _THINK = re.compile(r"^\s*<think>(.*?)</think>", re.DOTALL)
@@ -155,27 +158,7 @@ class PlainRenderer:
         return self.encode(text + "<|assistant|>\n")
 
     def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
-        text = self.decode(completion_ids)
-        reasoning = None
-        thought = _THINK.match(text)
-        if thought is not None:
-            reasoning = thought.group(1)
-            text = text[thought.end() :]
-        calls: list[ToolCall] = []
-        errors: list[str] = []
-        for number, found in enumerate(_TOOL_CALL.finditer(text)):
-            raw, closed = found.group(1), bool(found.group(2))
-            call, error = _tool_call(f"call_{number}", raw, closed)
-            calls.append(call)
-            if error is not None:
-                errors.append(f"tool call {number}: {error}")
-        content = _TOOL_CALL.sub("", text).strip()
-        return AssistantTurn(
-            content=content,
-            tool_calls=tuple(calls),
-            reasoning=reasoning,
-            parse_error="; ".join(errors) or None,
-        )
+        return _parse_turn(self.decode(completion_ids))
 
     def decode(self, ids: Sequence[int]) -> str:
         for i, token in enumerate(ids):
@@ -189,6 +172,310 @@ class PlainRenderer:
 
     def encode(self, text: str) -> list[int]:
         return [ord(character) for character in text]
+
+
+#: The base conversations :meth:`HFRenderer.bridge` renders the new messages after: the
+#: bridge is proved only if it is the same after each (an assistant turn with and without a
+#: ``<think>`` block), so a template that rewrites earlier turns gives ``None``.
+_BRIDGE_BASES = (
+    (
+        ChatMessage(role="user", content="Hi."),
+        ChatMessage(role="assistant", content="Hello."),
+    ),
+    (
+        ChatMessage(role="user", content="Hi."),
+        ChatMessage(role="assistant", content="<think>\nA greeting.\n</think>\n\nHello."),
+    ),
+)
+#: The assistant content the end-of-turn ids are read after (see ``close_ids``).
+_PROBE_CONTENT = "Probe answer."
+#: How many tools values :meth:`HFRenderer.bridge` keeps the base renders of.
+_BASE_CACHE_SIZE = 64
+
+
+def _ids(value: Iterable[object], what: str) -> list[int]:
+    ids: list[int] = []
+    for i, token in enumerate(value):
+        if not isinstance(token, int) or isinstance(token, bool):
+            msg = f"{what}[{i}] = {token!r} is not a token id (an int)"
+            raise TypeError(msg)
+        ids.append(token)
+    return ids
+
+
+def _close_ids(value: Iterable[object]) -> list[int]:
+    ids = _ids(value, "close_ids")
+    if not ids:
+        msg = "close_ids must not be empty: the bridge is cut after them"
+        raise ValueError(msg)
+    return ids
+
+
+def _stop_token_ids(value: Iterable[object]) -> list[int]:
+    return _ids(value, "stop_token_ids")
+
+
+@attrs.frozen(eq=False)
+class HFRenderer:
+    """A Hugging Face tokenizer's chat template, in its ids.
+
+    ``tokenizer`` is anything with ``apply_chat_template``, ``encode`` and ``decode`` (a
+    ``transformers`` ``PreTrainedTokenizerFast``, say); this class never imports
+    ``transformers`` (only :meth:`from_pretrained` does). A :class:`ChatMessage` goes to the
+    template as ``{"role": ..., "content": ..., **extra}``, so ``tool_calls``, ``name`` or
+    ``tool_call_id`` kept in :attr:`ChatMessage.extra` reach it.
+
+    ``close_ids`` (what ends an assistant turn) is, unless given, derived from the
+    template: a probe conversation (a user message, then an assistant answer) is rendered
+    without a generation prompt, and the close is the special tokens that come right
+    after the answer (``[<|im_end|>]`` for ChatML, ``[<|eot_id|>]`` for Llama 3). When
+    none do (or the probe cannot be rendered) the constructor raises ``ValueError``: pass
+    ``close_ids=`` then (not empty: the bridge is cut after them). ``stop_token_ids`` is,
+    unless given, ``close_ids`` and the tokenizer's ``eos_token_id`` if it is another id.
+
+    :meth:`parse` decodes the ids without their trailing stop ids and reads them as
+    :class:`PlainRenderer` does: an opening ``<think>...</think>`` block and
+    ``<tool_call>{JSON}</tool_call>`` calls.
+
+    The tokenizer (and its template) must not change once the renderer is made: the
+    close and the bridge's base renders are computed once.
+    """
+
+    tokenizer: Any
+    _close_ids: list[int] = attrs.field(kw_only=True, converter=_close_ids, alias="close_ids")
+    _stop_token_ids: list[int] = attrs.field(
+        kw_only=True, converter=_stop_token_ids, alias="stop_token_ids"
+    )
+    _bases: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(
+        init=False, factory=dict, repr=False
+    )
+
+    @_close_ids.default
+    def _derive_close_ids(self) -> list[int]:
+        probe = [
+            {"role": "user", "content": "Probe question."},
+            {"role": "assistant", "content": _PROBE_CONTENT},
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                probe, tokenize=False, add_generation_prompt=False
+            )
+        except Exception as error:
+            msg = (
+                "HFRenderer could not derive close_ids: the chat template does not render "
+                f"a user message and an assistant answer ({error!r}); pass close_ids="
+            )
+            raise ValueError(msg) from error
+        if not isinstance(text, str) or _PROBE_CONTENT not in text:
+            msg = (
+                "HFRenderer could not derive close_ids: the chat template does not write an "
+                "assistant message's content verbatim; pass close_ids="
+            )
+            raise ValueError(msg)
+        after = text[text.rindex(_PROBE_CONTENT) + len(_PROBE_CONTENT) :]
+        special = self._special_ids()
+        close: list[int] = []
+        for token in self.encode(after):
+            if token not in special:
+                break
+            close.append(token)
+        if not close:
+            msg = (
+                "HFRenderer could not derive close_ids: the chat template writes "
+                f"{after!r} after an assistant message, which does not start with a special "
+                "token; pass close_ids= (the ids that end an assistant turn)"
+            )
+            raise ValueError(msg)
+        return close
+
+    @_stop_token_ids.default
+    def _derive_stop_token_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int) and eos not in self._close_ids:
+            return [*self._close_ids, eos]
+        return list(self._close_ids)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        close_ids: Sequence[int] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> HFRenderer:
+        """The renderer of ``transformers.AutoTokenizer.from_pretrained(path, **kwargs)``
+        (needs the ``hf`` extra); ``close_ids`` and ``stop_token_ids`` as in the class."""
+        try:
+            import transformers  # the optional hf extra: imported only here
+        except ImportError as error:
+            msg = "HFRenderer.from_pretrained needs transformers: pip install 'trio-rollouts[hf]'"
+            raise ImportError(msg) from error
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, **kwargs)
+        overrides: dict[str, list[int]] = {}
+        if close_ids is not None:
+            overrides["close_ids"] = list(close_ids)
+        if stop_token_ids is not None:
+            overrides["stop_token_ids"] = list(stop_token_ids)
+        return cls(tokenizer, **overrides)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self._stop_token_ids)
+
+    @property
+    def close_ids(self) -> list[int]:
+        return list(self._close_ids)
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The template's text for ``messages``, encoded (the text's special tokens are
+        read as such; nothing is added)."""
+        conversation = [
+            {**message.extra, "role": message.role, "content": message.content}
+            for message in messages
+        ]
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+        if not isinstance(text, str):
+            msg = (
+                "the tokenizer's apply_chat_template(..., tokenize=False) returned a "
+                f"{type(text).__name__}, not a str"
+            )
+            raise TypeError(msg)
+        return self.encode(text)
+
+    def bridge(
+        self,
+        previous_ids: Sequence[int],
+        new_messages: Sequence[ChatMessage],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int] | None:
+        """The ids after a finished turn, or ``None`` when they cannot be proved.
+
+        The new messages are rendered after two fixed base conversations (whose assistant
+        turn holds a ``<think>`` block in one and not in the other), with the generation
+        prompt. Each base, rendered alone and cut just after its assistant turn's
+        ``close_ids``, must be a prefix of that render, and what follows it (the bridge)
+        must be the same after both; ``previous_ids`` must end with ``close_ids``. Any of
+        these failing gives ``None`` (a template that is not append-only, such as one that
+        drops earlier reasoning once a user message follows). What a ChatML template writes
+        after ``<|im_end|>`` (its ``"\\n"``, which the engine stops before) starts the
+        bridge.
+        """
+        for i, message in enumerate(new_messages):
+            if message.role == "assistant":
+                msg = (
+                    f"new_messages[{i}] is an assistant message: a bridge holds what comes "
+                    "between assistant turns (the turns themselves are the sampled ids)"
+                )
+                raise ValueError(msg)
+        close = self._close_ids
+        if list(previous_ids[max(len(previous_ids) - len(close), 0) :]) != close:
+            return None
+        bridges = []
+        for base, cut in zip(_BRIDGE_BASES, self._base_cuts(tools), strict=True):
+            if not cut:
+                return None
+            full = self.render([*base, *new_messages], tools=tools)
+            if tuple(full[: len(cut)]) != cut:
+                return None
+            bridges.append(full[len(cut) :])
+        if any(bridge != bridges[0] for bridge in bridges):
+            return None
+        return bridges[0]
+
+    def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
+        ids = list(completion_ids)
+        stops = set(self._stop_token_ids)
+        while ids and ids[-1] in stops:
+            ids.pop()
+        return _parse_turn(self.decode(ids))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        if not isinstance(text, str):
+            msg = f"the tokenizer's decode returned a {type(text).__name__}, not a str"
+            raise TypeError(msg)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return _ids(self.tokenizer.encode(text, add_special_tokens=False), "encode(text)")
+
+    def _special_ids(self) -> set[int]:
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        special.update(
+            token for token, added_token in added.items() if getattr(added_token, "special", False)
+        )
+        return special
+
+    def _base_cuts(self, tools: list[dict[str, Any]] | None) -> tuple[tuple[int, ...], ...]:
+        """Each base's render (no generation prompt) cut just after its last ``close_ids``
+        (empty if they are not there), kept per tools value."""
+        try:
+            key: str | None = json.dumps(tools, sort_keys=True)
+        except (TypeError, ValueError):
+            key = None  # not JSON: computed every time
+        if key is not None and key in self._bases:
+            return self._bases[key]
+        cuts = tuple(
+            _cut_after_last(
+                self.render(base, tools=tools, add_generation_prompt=False), self._close_ids
+            )
+            for base in _BRIDGE_BASES
+        )
+        if key is not None:
+            if len(self._bases) >= _BASE_CACHE_SIZE:
+                self._bases.clear()
+            self._bases[key] = cuts
+        return cuts
+
+
+def _cut_after_last(ids: list[int], close: list[int]) -> tuple[int, ...]:
+    """``ids`` up to the end of the last occurrence of ``close`` (empty if none)."""
+    for end in range(len(ids), len(close) - 1, -1):
+        if ids[end - len(close) : end] == close:
+            return tuple(ids[:end])
+    return ()
+
+
+def _parse_turn(text: str) -> AssistantTurn:
+    """An assistant turn parsed from its text: an opening ``<think>...</think>`` block is the
+    reasoning, each ``<tool_call>{JSON}</tool_call>`` a :class:`ToolCall` (an unclosed one
+    runs to the end), and what is left, stripped, the content."""
+    reasoning = None
+    thought = _THINK.match(text)
+    if thought is not None:
+        reasoning = thought.group(1)
+        text = text[thought.end() :]
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for number, found in enumerate(_TOOL_CALL.finditer(text)):
+        raw, closed = found.group(1), bool(found.group(2))
+        call, error = _tool_call(f"call_{number}", raw, closed)
+        calls.append(call)
+        if error is not None:
+            errors.append(f"tool call {number}: {error}")
+    content = _TOOL_CALL.sub("", text).strip()
+    return AssistantTurn(
+        content=content,
+        tool_calls=tuple(calls),
+        reasoning=reasoning,
+        parse_error="; ".join(errors) or None,
+    )
 
 
 def _message_text(message: ChatMessage) -> str:
