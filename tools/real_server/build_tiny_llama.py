@@ -22,10 +22,15 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 STOP_EVERY = 8
 
 #: The same plain rendering as ``trio_rollouts.inference.render_plain_chat``: one
-#: ``<|role|>`` line per message, then ``<|assistant|>`` opening the reply.
+#: ``<|role|>`` line per message, then ``<|assistant|>`` opening the reply; an earlier
+#: assistant message ends with ``<|eos|>``, the token that ends a generated turn, as chat
+#: templates close a turn with the engine's stop token (ChatML's ``<|im_end|>\n``), so
+#: ``HFRenderer`` finds its end-of-turn ids. A prompt without assistant messages renders
+#: exactly as ``render_plain_chat``.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}<|eos|>{% endif %}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -16,7 +16,12 @@ client:
   the one asked);
 - **stream**: ``stream.weight_update`` in all four modes with a staleness bound, every
   rollout re-scored; a body that raises and a body that is cancelled; and after every
-  route the server is not paused.
+  route the server is not paused;
+- **episodes**: ``MultiTurnAgent`` with ``HFRenderer.from_pretrained`` of the served model
+  and a tool-message environment, with a ``keep`` update during the episodes: every turn
+  is exact, every sampled id's logprob is the re-score's in its element's context, each
+  turn ends with the end-of-turn id (sampled, or closed with mask 0 after a cut), and
+  every environment is closed.
 """
 
 from __future__ import annotations
@@ -353,6 +358,118 @@ async def check_stream(vllm: VLLM) -> str:
     )
 
 
+#: Assistant turns of an episode in the episodes check.
+EPISODE_TURNS = 3
+
+
+class ToolReplies(tr.BaseEnvironment):
+    """Answers each turn with one ``"tool"`` message; done after ``EPISODE_TURNS``."""
+
+    made = 0
+    closed = 0
+
+    def __init__(self, problem: tr.Problem) -> None:
+        super().__init__()
+        self.problem = problem
+        self.steps = 0
+        ToolReplies.made += 1
+
+    async def reset(self) -> Sequence[tr.ChatMessage]:
+        await trio.lowlevel.checkpoint()
+        return [tr.ChatMessage(role="user", content=str(self.problem.prompt))]
+
+    async def step(self, turn: tr.AssistantTurn) -> tr.EnvironmentStep:
+        await trio.lowlevel.checkpoint()
+        self.steps += 1
+        if self.steps == EPISODE_TURNS:
+            return tr.EnvironmentStep(done=True, reward=1.0)
+        reply = tr.ChatMessage(role="tool", content=f"result {self.steps}")
+        return tr.EnvironmentStep(messages=[reply])
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+        ToolReplies.closed += 1
+
+
+def check_turn_ends(rollout: tr.TokenRollout, close: list[int], stops: set[int]) -> None:
+    """In each element, a turn the episode went on after ends with the end-of-turn id:
+    sampled (mask 1), or appended after a cut turn (mask 0); then the bridge."""
+    for ids, mask in zip(rollout.trajectory, rollout.generation_mask or [], strict=True):
+        for i in range(len(ids) - 1):
+            if mask[i] and not mask[i + 1]:  # the end of a turn, not of the element
+                if ids[i] in stops:
+                    continue
+                check(
+                    ids[i + 1 : i + 1 + len(close)] == close,
+                    f"a cut turn is followed by {ids[i + 1 : i + 4]}, not the close {close}",
+                )
+
+
+async def check_episodes(vllm: VLLM) -> str:
+    renderer = tr.HFRenderer.from_pretrained(vllm.model)
+    eos = renderer.tokenizer.eos_token_id
+    check(renderer.close_ids == [eos], f"close_ids {renderer.close_ids}, not [<|eos|>]")
+    agent = tr.MultiTurnAgent(
+        environment=ToolReplies,
+        renderer=renderer,
+        prompts=tr.PromptSource([tr.Problem(**row) for row in PROBLEMS], seed=0),
+        max_turns=EPISODE_TURNS,
+        parallel_generation_tasks=4,
+    )
+    request = tr.GroupedRolloutRequest(
+        num_groups=2,
+        rollouts_per_group=4,
+        inference_interface=tr.OpenAIInference(vllm.base_url, vllm.model, server="vllm"),
+        generation_args=tr.GenerationArgs(max_tokens=6),
+        streaming=True,
+    )
+    ToolReplies.made = ToolReplies.closed = 0
+    groups: list[tr.RolloutGroup] = []
+    async with agent.get_grouped_rollouts(request) as stream:
+        groups.append(await stream.receive())
+        async with stream.weight_update("keep"):
+            pass
+        # Groups that started after the update: their turns carry epoch 1.
+        groups += [await stream.receive() for _ in range(5)]
+        stats = stream.statistics()
+    check(stats.unaccounted == 0, f"the ledger does not add up: {stats}")
+    made, closed = ToolReplies.made, ToolReplies.closed
+    check(closed == made, f"{closed} environments closed of {made} made")
+    worst = 0.0
+    totals = dict.fromkeys(("turns", "breaks", "truncated_turns"), 0)
+    epochs: set[int] = set()
+    for group in groups:
+        for rollout in group:
+            if not isinstance(rollout, tr.TokenRollout) or rollout.logprobs is None:
+                raise CheckFailed(f"an episode without logprobs: {rollout!r:.200}")
+            check(rollout.fidelity == "exact", f"fidelity {rollout.fidelity}")
+            check_turn_ends(rollout, renderer.close_ids, set(renderer.stop_token_ids))
+            for name in totals:
+                totals[name] += rollout.extra["episode"][name]
+            for ids, mask, logprobs, boundaries in zip(
+                rollout.trajectory,
+                rollout.generation_mask or [],
+                rollout.logprobs,
+                rollout.policy_epoch,
+                strict=True,
+            ):
+                epochs.update(epoch for _, epoch in boundaries)
+                scores = await in_thread(vllm.rescore, ids)
+                sampled = [score for score, m in zip(scores, mask, strict=True) if m]
+                check(len(sampled) == len(logprobs), "logprobs and mask disagree")
+                for mine, theirs in zip(logprobs, sampled, strict=True):
+                    check(theirs is not None, "a sampled id at position 0")
+                    worst = max(worst, abs(mine - (theirs or 0.0)))
+    check(worst <= LOGPROB_TOLERANCE, f"a sampled id's logprob is {worst:.3g} off its re-score")
+    check(epochs == {0, 1}, f"turns of epochs {sorted(epochs)}, not 0 and 1 (one keep update)")
+    return (
+        f"{sum(len(g) for g in groups)} episodes, {totals['turns']} turns, all exact; "
+        f"{totals['truncated_turns']} cut turns closed with <|eos|>, {totals['breaks']} "
+        f"splits (turns the tiny model ended on a stop byte), epochs {sorted(epochs)}; "
+        f"{ToolReplies.closed} environments closed; worst logprob gap {worst:.3g}"
+    )
+
+
 async def run_library_checks(vllm: VLLM) -> None:
     for name, run_check in (
         ("tokens", check_tokens),
@@ -360,6 +477,7 @@ async def run_library_checks(vllm: VLLM) -> None:
         ("keep", check_keep),
         ("abort", check_abort),
         ("stream", check_stream),
+        ("episodes", check_episodes),
     ):
         with trio.fail_after(CHECK_TIMEOUT):
             print(f"{name}: {await run_check(vllm)}", flush=True)
