@@ -756,3 +756,59 @@ async def test_a_factory_that_makes_no_environment_is_a_type_error(
     )
     with pytest.raises(TypeError, match="not an Environment"):
         await one_group(agent, request(embedded("x"), group=1))
+
+
+@attrs.define(eq=False)
+class NoIds(EmbeddedInference):
+    """An AcceptsTokens backend that returns text only."""
+
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        response = await super().base_generate(request)
+        response.token_ids = response.prompt_length = None
+        return response
+
+
+async def test_a_token_backend_that_returns_no_ids_is_retokenized_not_exact(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    log = Log()
+    with pytest.raises(TokenFidelityError, match="returned no token ids for this turn"):
+        await one_group(agent_for(log), request(NoIds(policy=scripted("ab"), seed=0), group=1))
+    log = Log()
+    agent = agent_for(log, min_fidelity="retokenized", env={"done_after": 1})
+    [rollout] = await one_group(agent, request(NoIds(policy=scripted("ab"), seed=0), group=1))
+    assert rollout.fidelity == "retokenized"
+    assert rollout.logprobs is None
+    assert sampled_text(rollout) == "ab"
+
+
+class BadClose(Echo):
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+        raise OSError("the sandbox would not stop")
+
+
+def bad_close_agent(**env: Any) -> MultiTurnAgent:
+    log = Log()
+    return MultiTurnAgent(
+        environment=lambda problem: BadClose(problem, log, **env),
+        renderer=R,
+        prompts=PromptSource(PROBLEMS, seed=0),
+    )
+
+
+async def test_an_aclose_error_is_raised_noted_or_warned_by_route(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The episode succeeded: the error is the episode's.
+    with pytest.raises(OSError, match="would not stop"):
+        await one_group(bad_close_agent(done_after=1), request(embedded("x"), group=1))
+    # The episode failed: a note on its error.
+    with pytest.raises(KeyError) as caught:
+        await one_group(bad_close_agent(fail_on=1), request(embedded("x"), group=1))
+    assert any("would not stop" in note for note in caught.value.__notes__)
+    # The episode was cancelled: a warning, since a note would vanish with the Cancelled.
+    agent = bad_close_agent(step_seconds=100.0)
+    with pytest.warns(RuntimeWarning, match="an episode was cancelled, then BadClose"):
+        with trio.move_on_after(1):
+            await one_group(agent, request(embedded("x"), group=1))

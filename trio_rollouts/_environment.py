@@ -106,9 +106,12 @@ class Environment(Protocol):
       it exactly once per environment it made, on every route (done, limit, failure,
       cancellation), shielded from cancellation and bounded by 5 seconds.
 
-    Cancellation: :meth:`reset` and :meth:`step` are cancelled when the stream shuts
-    down, when a sibling episode of the group fails, or (``step``) at the agent's
-    ``step_timeout``; they must let ``trio.Cancelled`` propagate.
+    Cancellation: :meth:`reset`, :meth:`step` and :meth:`final_reward` are cancelled when
+    the stream shuts down or a sibling episode of the group fails, and :meth:`step` also at
+    the agent's ``step_timeout``; they must let ``trio.Cancelled`` propagate.
+    :meth:`aclose` runs shielded from those cancellations, and is cancelled only after 5
+    seconds. Only :meth:`reset` and :meth:`step` count against the agent's
+    ``environment_concurrency``, and only :meth:`step` has a deadline.
     """
 
     @property

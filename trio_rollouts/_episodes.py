@@ -37,7 +37,7 @@ from ._agents import GroupedRolloutGenerator
 from ._checks import int_at_least as _int_at_least
 from ._checks import optional_int_at_least as _optional_int_at_least
 from ._checks import seconds as _seconds
-from ._concurrency import gather
+from ._concurrency import gather, real_leaves
 from ._environment import Environment, EnvironmentStep, check_reward, checked_messages
 from ._failure import StepTimeoutError
 from ._gate import call_start_epoch
@@ -361,7 +361,12 @@ async def _close(env: Environment, failure: BaseException | None) -> None:
         except Exception as error:
             if failure is None:
                 raise
-            failure.add_note(f"then {type(env).__name__}.aclose() raised {error!r}")
+            message = f"then {type(env).__name__}.aclose() raised {error!r}"
+            if real_leaves(failure):
+                failure.add_note(message)
+            else:
+                # A cancellation's note would vanish with it when its scope catches it.
+                warnings.warn(f"an episode was cancelled, {message}", RuntimeWarning, stacklevel=2)
     if scope.cancelled_caught:
         msg = (
             f"{type(env).__name__}.aclose() did not finish within {ACLOSE_SECONDS} s and "
@@ -446,8 +451,8 @@ class _Run:
         )
         response = await interface.agenerate(inference_request)
         token_ids = response.token_ids
-        if kind != "exact" and token_ids is None:
-            kind = "retokenized"
+        if token_ids is None:
+            kind = "retokenized"  # whatever the markers promised: the text is all there is
         agent = self.shared.agent
         if _RANK[kind] < _RANK[agent.min_fidelity]:
             lacked = "returned no token ids for this turn"
