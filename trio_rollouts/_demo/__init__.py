@@ -27,6 +27,9 @@ The package, one idea a module (the model and its GRPO step are public, in
 (arithmetic with seeded dispatch delays), ``_config`` (:class:`DemoConfig`), ``_trainer``
 (one training step and its :class:`StepMetrics`), ``_checkpoint`` (the checkpoint format:
 written atomically, read back checked) and ``_run`` (:func:`run_demo`, the whole run).
+``_tool`` is ``--task tool``: :func:`run_tool_demo` trains
+:class:`~trio_rollouts.envs.ToolUsePolicy` to call the calculator of
+:class:`~trio_rollouts.envs.CalculatorEnvironment`, with the same trainer.
 """
 
 from ..envs import AnswerTablePolicy as AnswerTablePolicy
@@ -37,6 +40,10 @@ from ._checkpoint import load_demo_checkpoint as load_demo_checkpoint
 from ._config import DemoConfig as DemoConfig
 from ._run import DemoResult as DemoResult
 from ._run import run_demo as run_demo
+from ._tool import ToolDemoConfig as ToolDemoConfig
+from ._tool import ToolDemoResult as ToolDemoResult
+from ._tool import ToolStepMetrics as ToolStepMetrics
+from ._tool import run_tool_demo as run_tool_demo
 from ._trainer import StepMetrics as StepMetrics
 
 __all__ = [
@@ -46,6 +53,10 @@ __all__ = [
     "DemoConfig",
     "DemoResult",
     "StepMetrics",
+    "ToolDemoConfig",
+    "ToolDemoResult",
+    "ToolStepMetrics",
     "load_demo_checkpoint",
     "run_demo",
+    "run_tool_demo",
 ]

@@ -11,10 +11,10 @@ import attrs
 from .._checks import int_at_least, is_int, is_real, non_negative_seconds
 from ..inference import WEIGHT_UPDATE_MODES, LatencyModel, WeightUpdateMode
 
-__all__ = ["DemoConfig"]
+__all__ = ["DemoConfig", "check_mode", "check_positive", "count_at_least"]
 
 
-def _check_positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+def check_positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     # _checks has no "real > 0" validator (seconds(positive=True) speaks of seconds).
     if not is_real(value):
         msg = f"{attribute.name} must be a number > 0, got {value!r}"
@@ -24,7 +24,7 @@ def _check_positive(instance: object, attribute: attrs.Attribute[Any], value: ob
         raise ValueError(msg)
 
 
-def _check_mode(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+def check_mode(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     allowed = ", ".join(repr(m) for m in ("drain", "restart", "keep", "abort"))
     if not isinstance(value, str):
         msg = f"{attribute.name} must be one of {allowed}, got {value!r}"
@@ -34,7 +34,7 @@ def _check_mode(instance: object, attribute: attrs.Attribute[Any], value: object
         raise ValueError(msg)
 
 
-def _count(minimum: int, *, optional: bool = False) -> Any:
+def count_at_least(minimum: int, *, optional: bool = False) -> Any:
     """``int_at_least`` (``optional``: ``optional_int_at_least``), with the out-of-range
     message that ``checkpoint_every`` and ``max_staleness`` have always given ("must be
     an int >= 1"; the shared validators say "must be >= 1")."""
@@ -96,14 +96,16 @@ class DemoConfig:
     lag: int = attrs.field(default=2, validator=int_at_least(1))
     num_problems: int = attrs.field(default=32, validator=int_at_least(1))
     num_candidates: int = attrs.field(default=8, validator=int_at_least(2))
-    learning_rate: float = attrs.field(default=2.0, validator=_check_positive)
-    clip: float = attrs.field(default=0.2, validator=_check_positive)
+    learning_rate: float = attrs.field(default=2.0, validator=check_positive)
+    clip: float = attrs.field(default=0.2, validator=check_positive)
     filter_groups: bool = True
     train_seconds: float = attrs.field(default=0.05, validator=non_negative_seconds)
     latency: LatencyModel = attrs.field(
         factory=lambda: LatencyModel(first_token=0.03, per_token=0.01)
     )
-    update_mode: WeightUpdateMode = attrs.field(default="keep", validator=_check_mode)
-    max_staleness: int | None = attrs.field(default=None, validator=_count(0, optional=True))
+    update_mode: WeightUpdateMode = attrs.field(default="keep", validator=check_mode)
+    max_staleness: int | None = attrs.field(
+        default=None, validator=count_at_least(0, optional=True)
+    )
     checkpoint_dir: Path | None = attrs.field(default=None, converter=_to_optional_path)
-    checkpoint_every: int = attrs.field(default=5, validator=_count(1))
+    checkpoint_every: int = attrs.field(default=5, validator=count_at_least(1))

@@ -4,6 +4,7 @@ delay, which keeps a virtual-clock run reproducible across weight updates."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import attrs
 import numpy as np
@@ -12,7 +13,9 @@ import trio
 from .._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ..envs.arithmetic import ArithmeticEnvironment
 
-__all__ = ["DemoEnvironment"]
+__all__ = ["DemoEnvironment", "dispatch_delayed"]
+
+T = TypeVar("T")
 
 _DISPATCH_STREAM = 0x44495350
 #: The longest delay between a call's start and its requests reaching the engine.
@@ -48,22 +51,31 @@ class DemoEnvironment(ArithmeticEnvironment):
             # never draw from the source: one group_rollout (one draw) per call instead.
             group_rollout = self.group_rollout
             generate = lambda batch_id, index_in_batch: group_rollout(request)  # noqa: E731
-        # Calls per slot, for the batches that may still be generating (as the base
-        # class counts attempts): each slot's calls run one after the other.
         window = max(1, self.parallel_generation_tasks // request.num_groups)
-        calls: dict[int, dict[int, int]] = {}
-        seed = self.seed
+        return dispatch_delayed(generate, seed=self.seed, window=window)
 
-        async def dispatched(
-            batch_id: int, index_in_batch: int
-        ) -> list[Rollout] | list[TokenRollout] | RolloutGroup:
-            of_batch = calls.setdefault(batch_id, {})
-            call = of_batch.get(index_in_batch, 0)
-            of_batch[index_in_batch] = call + 1
-            for old in [b for b in calls if b <= batch_id - window]:
-                del calls[old]
-            rng = np.random.default_rng([seed, _DISPATCH_STREAM, batch_id, index_in_batch, call])
-            await trio.sleep(_DISPATCH_SECONDS * float(rng.random()))
-            return await generate(batch_id, index_in_batch)
 
-        return dispatched
+def dispatch_delayed(
+    generate: Callable[[int, int], Awaitable[T]], *, seed: int, window: int
+) -> Callable[[int, int], Awaitable[T]]:
+    """``generate`` (what the pipeline calls for slot ``(batch_id, index_in_batch)``),
+    each call of which waits first a delay of up to ``_DISPATCH_SECONDS`` drawn from
+    ``seed``, the slot and the slot's call count (see :class:`DemoEnvironment`).
+    ``window`` is how many batches may be generating at once
+    (``parallel_generation_tasks // num_groups``): the call counts of older batches are
+    forgotten."""
+    # Calls per slot, for the batches that may still be generating (as the base
+    # class counts attempts): each slot's calls run one after the other.
+    calls: dict[int, dict[int, int]] = {}
+
+    async def dispatched(batch_id: int, index_in_batch: int) -> T:
+        of_batch = calls.setdefault(batch_id, {})
+        call = of_batch.get(index_in_batch, 0)
+        of_batch[index_in_batch] = call + 1
+        for old in [b for b in calls if b <= batch_id - window]:
+            del calls[old]
+        rng = np.random.default_rng([seed, _DISPATCH_STREAM, batch_id, index_in_batch, call])
+        await trio.sleep(_DISPATCH_SECONDS * float(rng.random()))
+        return await generate(batch_id, index_in_batch)
+
+    return dispatched

@@ -1,26 +1,58 @@
 """The demo's trainer: step by step, it takes a batch of groups from the stream, trains
 the policy on it inside :meth:`RolloutStream.weight_update`, and reports what the step saw
-and did (:class:`StepMetrics`)."""
+and did (:class:`StepMetrics`). It trains any :class:`TrainablePolicy` (the arithmetic
+demo's :class:`~trio_rollouts.envs.AnswerTablePolicy`, the tool demo's
+:class:`~trio_rollouts.envs.ToolUsePolicy`) with any :class:`TrainerSettings`."""
 
 from __future__ import annotations
 
 import collections
 import math
-from typing import IO
+from collections.abc import Sequence
+from typing import IO, Protocol
 
 import attrs
 import numpy as np
 import trio
 
+from .._models import RolloutGroup
 from .._prompt_file import write_groups
 from .._stream import RolloutStream
-from ..envs import AnswerTablePolicy
-from ._config import DemoConfig
+from ..inference import WeightUpdateMode
 
-__all__ = ["StepMetrics", "Trainer"]
+__all__ = ["StepMetrics", "TrainablePolicy", "Trainer", "TrainerSettings"]
 
 #: Steps over which StepMetrics.groups_per_second is measured.
 _RATE_WINDOW = 5
+
+
+class TrainablePolicy(Protocol):
+    """What the trainer needs of a policy: a clipped GRPO step and an exact accuracy."""
+
+    def grpo_step(
+        self, groups: Sequence[RolloutGroup], learning_rate: float, clip: float
+    ) -> None: ...
+
+    def accuracy(self) -> float: ...
+
+
+class TrainerSettings(Protocol):
+    """What the trainer reads of a demo's settings (:class:`DemoConfig` has them)."""
+
+    @property
+    def groups_per_step(self) -> int: ...
+
+    @property
+    def train_seconds(self) -> float: ...
+
+    @property
+    def update_mode(self) -> WeightUpdateMode: ...
+
+    @property
+    def learning_rate(self) -> float: ...
+
+    @property
+    def clip(self) -> float: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -29,7 +61,7 @@ class StepMetrics:
 
     - ``epoch``: the policy epoch after the step's weight update (``update.epoch``).
     - ``mean_reward``: mean reward of the step's rollouts.
-    - ``accuracy``: :meth:`AnswerTablePolicy.accuracy` after the step's update.
+    - ``accuracy``: the policy's ``accuracy()`` after the step's update.
     - ``groups_per_second``: groups taken per second of the run's clock, over the last
       five steps.
     - ``filtered``: groups dropped (all rewards equal) and regenerated during the step.
@@ -75,11 +107,13 @@ class Trainer:
     of the first of them.
     """
 
-    config: DemoConfig
-    policy: AnswerTablePolicy
+    config: TrainerSettings
+    policy: TrainablePolicy
     out: IO[str] | None
     started: float
     elapsed_before: float = 0.0
+    #: The groups of the last step (empty before the first).
+    batch: list[RolloutGroup] = attrs.field(init=False, factory=list)
     # When the last few steps' groups arrived, for a throughput that does not jump
     # between a step that waited and one whose batch was already buffered.
     _arrivals: collections.deque[float] = attrs.field(init=False)
@@ -95,8 +129,8 @@ class Trainer:
     async def step(self, stream: RolloutStream, step: int) -> StepMetrics:
         """Train on the stream's next batch: take ``groups_per_step`` groups, write them
         to ``out``, wait ``train_seconds`` (computing the update; generation goes on
-        meanwhile, with the old weights), then apply :meth:`AnswerTablePolicy.grpo_step`
-        inside ``stream.weight_update(mode=config.update_mode)``.
+        meanwhile, with the old weights), then apply the policy's ``grpo_step`` inside
+        ``stream.weight_update(mode=config.update_mode)``; :attr:`batch` is the batch.
 
         Cancellation: it checks for cancellation before it takes the batch, so a
         cancelled run takes (and writes) no further batch; cancelled after that, the
@@ -108,6 +142,7 @@ class Trainer:
         # batch is already held in order: check here.
         await trio.lowlevel.checkpoint_if_cancelled()
         groups = [await stream.receive() for _ in range(config.groups_per_step)]
+        self.batch = groups
         now = trio.current_time()
         arrivals = self._arrivals
         arrivals.append(now)

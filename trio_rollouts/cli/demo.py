@@ -1,7 +1,8 @@
 """``trio-rollouts demo``: an asynchronous GRPO loop that visibly learns, with no server
 and no GPU, and its live display (a progress bar, rows of the learning curve, a summary
 table, an optional plot). With ``--checkpoint DIR`` it saves checkpoints and, rerun on the
-same directory, goes on from the last one."""
+same directory, goes on from the last one. ``--task tool`` runs the tool demo instead
+(multi-turn episodes with a calculator, :mod:`._demo_tool`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .._demo import (
     DemoConfig,
     DemoResult,
     StepMetrics,
+    ToolDemoConfig,
     load_demo_checkpoint,
     run_demo,
 )
@@ -45,6 +47,7 @@ from ._common import (
     stderr_console,
     stdout_console,
 )
+from ._demo_tool import run_tool_command
 
 __all__ = ["demo"]
 
@@ -279,7 +282,20 @@ def _plot(matplotlib: Any, result: DemoResult, path: Path) -> None:
     pyplot.close(figure)
 
 
+#: The defaults that depend on --task: (arithmetic, tool).
+_TASK_DEFAULTS = {"steps": (36, 16), "groups_per_step": (8, 4)}
+
+
 @click.command()
+@click.option(
+    "--task",
+    type=click.Choice(["arithmetic", "tool"]),
+    default="arithmetic",
+    show_default=True,
+    help="arithmetic: one-turn answers to arithmetic problems (a table policy per "
+    "problem); tool: multi-turn episodes with a calculator tool (CalculatorEnvironment), "
+    "where the policy learns to call the tool and answer with its result.",
+)
 @click.option(
     "--seed",
     type=click.IntRange(min=0),
@@ -291,8 +307,8 @@ def _plot(matplotlib: Any, result: DemoResult, path: Path) -> None:
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
-    default=36,
-    show_default=True,
+    default=None,
+    show_default="36; 16 with --task tool",
     help="Training steps; each takes one batch of --groups groups and publishes a new "
     "policy epoch.",
 )
@@ -300,8 +316,8 @@ def _plot(matplotlib: Any, result: DemoResult, path: Path) -> None:
     "--groups",
     "groups_per_step",
     type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
+    default=None,
+    show_default="8; 4 with --task tool",
     help="Groups per training step (one batch).",
 )
 @click.option(
@@ -375,7 +391,7 @@ def _plot(matplotlib: Any, result: DemoResult, path: Path) -> None:
     help="Save a checkpoint (weights, prompt source, metrics) in this directory, created "
     "if missing, every --checkpoint-every steps and at the end; when it holds one, go on "
     "from it (same settings; --steps may be larger). Rerun the same command after Ctrl-C "
-    "or a crash to continue.",
+    "or a crash to continue. Not with --task tool.",
 )
 @click.option(
     "--checkpoint-every",
@@ -398,9 +414,10 @@ def _plot(matplotlib: Any, result: DemoResult, path: Path) -> None:
 )
 @reports_errors
 def demo(
+    task: str,
     seed: int,
-    steps: int,
-    groups_per_step: int,
+    steps: int | None,
+    groups_per_step: int | None,
     group_size: int,
     lag: int,
     num_problems: int,
@@ -426,7 +443,24 @@ def demo(
 
     With --checkpoint DIR the run is resumable: interrupted (Ctrl-C, a crash), the same
     command goes on from the last checkpoint, and --out is continued.
+
+    With --task tool the episodes are multi-turn (MultiTurnAgent, CalculatorEnvironment):
+    the policy may call a calculator tool, then answers; only an answer with the tool's
+    result is right. It starts by calling the tool about 1/4 of the time, and the summary
+    shows the tool-call rate and the accuracy rising.
     """
+    tool = task == "tool"
+    context = click.get_current_context()
+    if tool:
+        for name in ("checkpoint_dir", "checkpoint_every"):
+            if context.get_parameter_source(name) is not ParameterSource.DEFAULT:
+                flag = "--" + name.removesuffix("_dir").replace("_", "-")
+                msg = f"{flag} is not supported with --task tool (it saves no checkpoints)"
+                raise click.UsageError(msg)
+    if steps is None:
+        steps = _TASK_DEFAULTS["steps"][tool]
+    if groups_per_step is None:
+        groups_per_step = _TASK_DEFAULTS["groups_per_step"][tool]
     matplotlib = _require_matplotlib() if plot is not None else None
     if groups_per_step * lag > num_problems:
         msg = (
@@ -434,7 +468,24 @@ def demo(
             "groups generated at the same time would share problems; raise --problems"
         )
         raise click.UsageError(msg)
-    every_source = click.get_current_context().get_parameter_source("checkpoint_every")
+    if tool:
+        tool_config = ToolDemoConfig(
+            seed=seed,
+            steps=steps,
+            groups_per_step=groups_per_step,
+            group_size=group_size,
+            lag=lag,
+            num_problems=num_problems,
+            learning_rate=learning_rate,
+            filter_groups=filter_groups,
+            update_mode=update_mode,
+            max_staleness=max_staleness,
+        )
+        run_tool_command(
+            tool_config, clock=clock, out=out, overwrite=overwrite, plot=plot, matplotlib=matplotlib
+        )
+        return
+    every_source = context.get_parameter_source("checkpoint_every")
     if checkpoint_dir is None and every_source is not ParameterSource.DEFAULT:
         msg = "--checkpoint-every needs --checkpoint DIR"
         raise click.UsageError(msg)

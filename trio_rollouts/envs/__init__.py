@@ -6,7 +6,10 @@ that learns it on the embedded backend; it is a :class:`RewardOnlyAgent`, the ba
 environments that sample completions of one prompt per group and score them. The
 preference environments pair completions for DPO-style training
 (:class:`BestWorstContrastiveGenerator`) and compare several interfaces on the same
-prompts (:class:`HeadToHeadRolloutGenerator`).
+prompts (:class:`HeadToHeadRolloutGenerator`). :class:`CalculatorEnvironment` is a
+multi-turn environment (for :class:`~trio_rollouts.MultiTurnAgent`) with a
+``calculator`` tool, and :class:`ToolUsePolicy` the policy of ``trio-rollouts demo --task
+tool`` that learns to call it.
 """
 
 from .._reward_only import REWARD_FUNCTIONS as REWARD_FUNCTIONS
@@ -21,3 +24,8 @@ from ._preference import HeadToHeadResult as HeadToHeadResult
 from ._preference import HeadToHeadRolloutGenerator as HeadToHeadRolloutGenerator
 from .arithmetic import ArithmeticEnvironment as ArithmeticEnvironment
 from .arithmetic import make_problems as make_problems
+from .calculator import CALCULATOR_TOOL as CALCULATOR_TOOL
+from .calculator import CalculatorEnvironment as CalculatorEnvironment
+from .calculator import CalculatorError as CalculatorError
+from .calculator import ToolUsePolicy as ToolUsePolicy
+from .calculator import calculate as calculate
