@@ -30,6 +30,7 @@ from trio_rollouts import (
     TokenFidelityError,
     TokenMismatchError,
     TokenRollout,
+    blocking_grouped_rollouts,
 )
 from trio_rollouts.inference import (
     EmbeddedInference,
@@ -812,3 +813,46 @@ async def test_an_aclose_error_is_raised_noted_or_warned_by_route(
     with pytest.warns(RuntimeWarning, match="an episode was cancelled, then BadClose"):
         with trio.move_on_after(1):
             await one_group(agent, request(embedded("x"), group=1))
+
+
+def test_episodes_through_the_sync_bridge_close_every_environment() -> None:
+    """A synchronous trainer: the episodes run in the bridge's Trio thread, with the
+    start epoch of each call and every environment closed when the block exits."""
+    log = Log()
+    agent = agent_for(log, env={"done_after": 2, "step_seconds": 0.001})
+    req = GroupedRolloutRequest(
+        num_groups=2,
+        rollouts_per_group=2,
+        inference_interface=embedded("a", latency=LatencyModel(first_token=0.0, per_token=0.0)),
+        streaming=True,
+        initial_epoch=3,
+    )
+    with blocking_grouped_rollouts(agent, req) as stream:
+        groups = stream.take(4, timeout=30)
+    rollouts = [r for group in groups for r in group]
+    assert all(isinstance(r, TokenRollout) and r.fidelity == "exact" for r in rollouts)
+    assert {r.policy_epoch[0][0][1] for r in rollouts if isinstance(r, TokenRollout)} == {3}
+    assert log.made == len(log.closed)
+    assert log.running_steps == 0
+
+
+async def test_turns_a_backend_does_not_stamp_get_the_groups_start_epoch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    log = Log()
+    agent = agent_for(log, env={"done_after": 1}, parallel_generation_tasks=1, buffer_size=0)
+    req = request(TokenChatServer(text="ok"), group=1, streaming=True, initial_epoch=5)
+    async with agent.get_grouped_rollouts(req) as stream:
+        before = await stream.receive()
+        async with stream.weight_update("drain"):
+            pass
+        after = [await stream.receive() for _ in range(2)]
+    [first] = before
+    assert isinstance(first, TokenRollout)
+    assert first.policy_epoch == [[(0, before.start_epoch)]]
+    assert before.start_epoch == 5
+    late = after[-1]
+    [rollout] = late
+    assert isinstance(rollout, TokenRollout)
+    assert late.start_epoch == 6
+    assert rollout.policy_epoch == [[(0, 6)]]
