@@ -856,3 +856,17 @@ async def test_turns_a_backend_does_not_stamp_get_the_groups_start_epoch(
     assert isinstance(rollout, TokenRollout)
     assert late.start_epoch == 6
     assert rollout.policy_epoch == [[(0, 6)]]
+
+
+async def test_a_retokenized_turn_is_closed_with_close_ids_when_the_episode_goes_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    log = Log()
+    agent = agent_for(log, renderer=Closing(), min_fidelity="retokenized", max_turns=2)
+    [rollout] = await one_group(agent, request(ChatServer(text="hey"), group=1))
+    assert len(rollout.trajectory) == 1  # the bridge accepted the closed turn: no break
+    ids, mask = rollout.trajectory[0], rollout.generation_mask[0]  # type: ignore[index]
+    first = mask.index(True)
+    assert ids[first : first + 4] == [*R.encode("hey"), 4]
+    assert mask[first : first + 4] == [True, True, True, False]
+    assert rollout.extra["episode"]["truncated_turns"] == 0  # "stop", not cut

@@ -28,6 +28,7 @@ from trio_rollouts.inference import (
     RetryBackoff,
     TokenMismatchError,
     UnsupportedFieldError,
+    accepts_tokens,
 )
 
 PROMPT = 5.0
@@ -208,3 +209,84 @@ async def test_a_text_request_is_unchanged() -> None:
             await interface.agenerate(interface.prepare_request("hello"))
     assert server.received[0].path == "/v1/chat/completions"
     assert "prompt" not in server.received[0].body
+
+
+# ------------------------------------------------------- token_prompts=False (chat only)
+
+
+async def test_token_prompts_false_refuses_id_prompts_before_sending() -> None:
+    server = FakeOpenAIServer(name="srv")
+    async with serving(server):
+        interface = make(server.base_url, token_prompts=False)
+        assert isinstance(interface, AcceptsTokens)  # the class still can
+        assert not accepts_tokens(interface)  # this instance does not
+        assert accepts_tokens(make(server.base_url))
+        with pytest.raises(TypeError, match="configured not to take them"):
+            await interface.agenerate(id_request())
+    assert server.received == []
+
+
+class OneReply(tr.BaseEnvironment):
+    """One user message, then done after the first turn."""
+
+    def __init__(self, problem: tr.Problem) -> None:
+        super().__init__()
+        self.problem = problem
+
+    async def reset(self) -> list[ChatMessage]:
+        await trio.lowlevel.checkpoint()
+        return [ChatMessage(role="user", content=str(self.problem.prompt))]
+
+    async def step(self, turn: tr.AssistantTurn) -> tr.EnvironmentStep:
+        await trio.lowlevel.checkpoint()
+        if turn.content.endswith("2"):
+            return tr.EnvironmentStep(done=True, reward=1.0)
+        return tr.EnvironmentStep(messages=[ChatMessage(role="user", content="more")])
+
+
+async def one_episode(interface: OpenAIInference, **fields: Any) -> tr.TokenRollout:
+    agent = tr.MultiTurnAgent(
+        environment=OneReply,
+        renderer=tr.PlainRenderer(),
+        prompts=tr.PromptSource([tr.Problem(problem_id="q", prompt="go", answer=None)]),
+        **fields,
+    )
+    request = tr.GroupedRolloutRequest(
+        num_groups=1, rollouts_per_group=1, inference_interface=interface
+    )
+    async with agent.get_grouped_rollouts(request) as stream:
+        [rollout] = await stream.receive()
+    assert isinstance(rollout, tr.TokenRollout)
+    return rollout
+
+
+async def test_a_chat_only_server_runs_episodes_at_the_fidelity_it_gives() -> None:
+    # It returns the ids it rendered and sampled: server_tokens. Its "template" (one id
+    # per message, the content's length) is not the renderer's, so each turn's prompt
+    # differs from the episode's ids: the second turn starts a new element from it.
+    server = FakeOpenAIServer(name="srv")
+    server.reply(Reply(json=None), Reply(json=None))
+    async with serving(server):
+        interface = make(server.base_url, token_prompts=False)
+        with trio.fail_after(PROMPT):
+            rollout = await one_episode(interface, max_turns=2)
+    assert [r.path for r in server.received] == ["/v1/chat/completions"] * 2
+    assert "prompt" not in server.received[0].body
+    assert [m["role"] for m in server.received[1].body["messages"]] == [
+        "user",
+        "assistant",
+        "user",
+    ]
+    assert rollout.fidelity == "server_tokens"
+    assert rollout.trajectory[0][:1] == [len("go")]  # the server's prompt ids
+    assert rollout.extra["episode"]["breaks"] == 2
+    # transformers serve refuses return_token_ids: text only, below the default minimum.
+    strict = FakeOpenAIServer(name="strict", unknown_fields="transformers")
+    async with serving(strict):
+        interface = make(strict.base_url, token_prompts=False)
+        with trio.fail_after(PROMPT), pytest.raises(tr.TokenFidelityError, match="no token ids"):
+            await one_episode(interface)
+        with trio.fail_after(PROMPT):
+            rollout = await one_episode(interface, min_fidelity="retokenized", max_turns=2)
+    assert rollout.fidelity == "retokenized"
+    assert rollout.logprobs is None

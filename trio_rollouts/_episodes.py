@@ -46,12 +46,12 @@ from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, TokenRollo
 from ._renderers import AssistantTurn, Renderer
 from .inference._errors import TokenMismatchError
 from .inference._interface import (
-    AcceptsTokens,
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
     ReturnsLogProbs,
     ReturnsTokens,
+    accepts_tokens,
 )
 from .inference._pausable import Pausable
 
@@ -109,7 +109,7 @@ def _check_min_fidelity(instance: object, attribute: attrs.Attribute[Any], value
 
 def backend_fidelity(interface: object) -> str:
     """The fidelity a backend's markers promise for each turn."""
-    if isinstance(interface, AcceptsTokens):
+    if accepts_tokens(interface):
         return "exact"
     if isinstance(interface, ReturnsTokens):
         return "server_tokens"
@@ -408,7 +408,7 @@ class _Run:
             if budget is not None and budget - len(element.ids) < 1:
                 finish = "max_tokens"
                 break
-            response, sampled = await self.generate(interface, element, budget)
+            response, sampled, kind = await self.generate(interface, element, budget)
             self.turns += 1
             turn = renderer.parse(sampled)
             self.tool_calls += len(turn.tool_calls)
@@ -423,7 +423,8 @@ class _Run:
             if self.turns >= agent.max_turns:
                 finish = "max_turns"
                 break
-            if not self.go_on(sampled, response.finish_reason == "length", step):
+            cut = response.finish_reason == "length"
+            if not self.go_on(sampled, cut, kind == "retokenized", step):
                 finish = "max_tokens"
                 break
         if reward is None:
@@ -432,9 +433,9 @@ class _Run:
 
     async def generate(
         self, interface: InferenceInterface, element: _Element, budget: int | None
-    ) -> tuple[InferenceResponse, list[int]]:
+    ) -> tuple[InferenceResponse, list[int], str]:
         """One turn: generate, check the ids, append the sampled ones; return the
-        response and the sampled ids."""
+        response, the sampled ids and the turn's fidelity."""
         request = self.shared.request
         args = request.generation_args
         if budget is not None:
@@ -491,7 +492,7 @@ class _Run:
             element.unstamped(self.shared.start_epoch, offset)
         elif not element.policy_epoch:
             element.unstamped(self.shared.start_epoch, 0)
-        return response, sampled
+        return response, sampled, kind
 
     def server_break(self, server_prompt: list[int]) -> _Element:
         """The server rendered another prompt than the episode's ids: a break. The new
@@ -552,10 +553,13 @@ class _Run:
         async with limiter:
             return await call
 
-    def go_on(self, sampled: list[int], truncated: bool, step: EnvironmentStep) -> bool:
-        """Append what comes before the next turn (close ids after a truncated turn, then
-        the bridge, or a new element after a break); ``False`` when that would leave no
-        room for a turn within ``max_episode_tokens`` (then nothing is appended)."""
+    def go_on(
+        self, sampled: list[int], truncated: bool, retokenized: bool, step: EnvironmentStep
+    ) -> bool:
+        """Append what comes before the next turn (close ids after a truncated turn, or a
+        retokenized one, whose text never shows the stop token; then the bridge, or a new
+        element after a break); ``False`` when that would leave no room for a turn within
+        ``max_episode_tokens`` (then nothing is appended)."""
         agent = self.shared.agent
         renderer = agent.renderer
         budget = agent.max_episode_tokens
@@ -568,7 +572,8 @@ class _Run:
         new_messages = list(step.messages)
         self.conversation.extend(new_messages)
         tools = self.env.tools
-        close = list(renderer.close_ids) if truncated else []
+        closed = bool(sampled) and sampled[-1] in stops
+        close = list(renderer.close_ids) if (truncated or retokenized) and not closed else []
         bridge = None
         if tools != self.tools:
             why = "the environment's tools changed"

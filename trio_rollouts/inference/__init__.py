@@ -28,6 +28,7 @@ from ._interface import InferenceResponse as InferenceResponse
 from ._interface import ReturnsLogProbs as ReturnsLogProbs
 from ._interface import ReturnsRaw as ReturnsRaw
 from ._interface import ReturnsTokens as ReturnsTokens
+from ._interface import accepts_tokens as accepts_tokens
 from ._interface import render_plain_chat as render_plain_chat
 from ._openai import DEFAULT_MAX_RETRIES as DEFAULT_MAX_RETRIES
 from ._openai import OpenAIInference as OpenAIInference

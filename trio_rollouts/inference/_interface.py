@@ -27,6 +27,7 @@ __all__ = [
     "ReturnsLogProbs",
     "ReturnsRaw",
     "ReturnsTokens",
+    "accepts_tokens",
     "render_plain_chat",
 ]
 
@@ -141,9 +142,25 @@ class AcceptsTokens(ReturnsTokens):
     """Marker: the interface generates from token ids
     (:attr:`InferenceRequest.prompt_ids`), exactly, with no chat template. A request with
     ``prompt_ids`` to an interface without it is a ``TypeError`` from
-    :meth:`InferenceInterface.agenerate`."""
+    :meth:`InferenceInterface.agenerate`.
+
+    A backend whose instances may be configured not to take them (an HTTP client in
+    front of a server that only renders chats) overrides :attr:`accepts_token_prompts`;
+    check an instance with :func:`accepts_tokens`."""
 
     __slots__ = ()
+
+    @property
+    def accepts_token_prompts(self) -> bool:
+        """Whether this instance takes ``prompt_ids`` (``True`` unless the backend says
+        otherwise)."""
+        return True
+
+
+def accepts_tokens(interface: object) -> bool:
+    """Whether ``interface`` generates from ``prompt_ids``: it is :class:`AcceptsTokens`
+    and this instance takes them."""
+    return isinstance(interface, AcceptsTokens) and interface.accepts_token_prompts
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -191,11 +208,15 @@ class InferenceInterface(abc.ABC):
         if not isinstance(request, InferenceRequest):
             msg = f"agenerate() takes an InferenceRequest, got {type(request).__name__}"
             raise TypeError(msg)
-        if request.prompt_ids is not None and not isinstance(self, AcceptsTokens):
+        if request.prompt_ids is not None and not accepts_tokens(self):
+            if isinstance(self, AcceptsTokens):
+                why = "this instance is configured not to take them"
+            else:
+                why = "it is not AcceptsTokens"
             msg = (
-                f"{type(self).__name__} cannot generate from token ids (it is not "
-                "AcceptsTokens): send a request without prompt_ids, or use a backend that "
-                "takes them (EmbeddedInference, OpenAIInference)"
+                f"{type(self).__name__} cannot generate from token ids ({why}): send a "
+                "request without prompt_ids, or use a backend that takes them "
+                "(EmbeddedInference, OpenAIInference with token_prompts=True)"
             )
             raise TypeError(msg)
         return await self.base_generate(request)

@@ -466,6 +466,14 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
       negotiated: a refusal naming one raises :class:`UnsupportedFieldError`, as does
       one naming a set generation argument.
 
+    - ``token_prompts``: whether a request with ``prompt_ids`` is sent as an id prompt
+      (``/v1/completions``, ``"prompt": [ids]``, the form vLLM and SGLang take; the
+      default). ``False`` for a server that renders chats only (``llama-server``,
+      ``transformers serve``, api.openai.com): the instance is then not
+      :func:`~trio_rollouts.inference.accepts_tokens`, a request with ``prompt_ids`` is a
+      ``TypeError``, and :class:`~trio_rollouts.MultiTurnAgent` sends such a server the
+      conversation as a chat (turns of fidelity ``"server_tokens"`` when it returns the
+      ids it rendered and sampled, else ``"retokenized"``).
     - ``server``: ``"vllm"`` or ``"sglang"`` to pause through that server's control
       endpoints for a weight update (all four modes), or ``None`` (the default): pauses
       hold calls client-side only (``drain`` and ``restart``). See :meth:`pause` and
@@ -518,6 +526,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
     server: ServerKind | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(SERVER_KINDS))
     )
+    token_prompts: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     # The replicas as shown in errors (no credentials), parsed once, not per attempt.
     _shown_urls: tuple[str, ...] = attrs.field(
         init=False,
@@ -675,6 +684,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         """``drain`` and ``restart`` (held client-side) always; ``keep`` and ``abort``
         through the control endpoints of ``server="vllm"`` or ``"sglang"``."""
         return _SERVER_MODES if self.server is not None else _CLIENT_MODES
+
+    @property
+    def accepts_token_prompts(self) -> bool:
+        """``token_prompts``: whether requests with ``prompt_ids`` are sent as id
+        prompts."""
+        return self.token_prompts
 
     @property
     def policy_epoch(self) -> int:
@@ -915,7 +930,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 f"{error.url or self._shown_urls[0]} refused a token-id prompt "
                 "(InferenceRequest.prompt_ids, sent as /v1/completions 'prompt': [ids]): "
                 f"{error}; use a server that takes token prompts (vLLM, SGLang), or send "
-                "the request without prompt_ids"
+                "the request without prompt_ids (OpenAIInference(token_prompts=False) "
+                "for a server that renders chats only: MultiTurnAgent then sends it the "
+                "conversation)"
             )
             raise UnsupportedFieldError(
                 msg,
@@ -928,7 +945,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             msg = (
                 f"{self._shown_urls[0]} returned no token ids for a token-id prompt "
                 "(InferenceRequest.prompt_ids needs the generated ids: the server must "
-                "honour return_token_ids, as vLLM and SGLang do)"
+                "honour return_token_ids, as vLLM and SGLang do; for a server that does "
+                "not, use OpenAIInference(token_prompts=False))"
             )
             raise UnsupportedFieldError(msg, fields=("return_token_ids",))
         self._check_echo(ids, response, "generated")
