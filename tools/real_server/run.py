@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -353,6 +354,89 @@ def check_strict_token_ids(base_url: str, model: str) -> None:
     print("strict return_token_ids=True: this server returns token ids")
 
 
+class ToolReplies(tr.BaseEnvironment):
+    """Answers the first turn with a ``"tool"`` message; done after the second."""
+
+    made = 0
+    closed = 0
+
+    def __init__(self, problem: tr.Problem) -> None:
+        super().__init__()
+        self.problem = problem
+        self.steps = 0
+        ToolReplies.made += 1
+
+    async def reset(self) -> list[tr.ChatMessage]:
+        await trio.lowlevel.checkpoint()
+        return [tr.ChatMessage(role="user", content=str(self.problem.prompt))]
+
+    async def step(self, turn: tr.AssistantTurn) -> tr.EnvironmentStep:
+        await trio.lowlevel.checkpoint()
+        self.steps += 1
+        if self.steps == 2:
+            return tr.EnvironmentStep(done=True, reward=1.0)
+        reply = tr.ChatMessage(role="tool", content="42", extra={"tool_call_id": "call_0"})
+        return tr.EnvironmentStep(messages=[reply])
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+        ToolReplies.closed += 1
+
+
+async def episodes(base_url: str, model: str, model_dir: Path) -> str:
+    """Multi-turn episodes against a server that renders chats only and returns text
+    (``token_prompts=False``): refused at the default ``min_fidelity``, retokenized when
+    allowed, each turn closed with the template's end-of-turn id and bridged with no
+    break, every environment closed."""
+    renderer = tr.HFRenderer.from_pretrained(model_dir)
+    interface = tr.OpenAIInference(base_url, model, token_prompts=False)
+    request = tr.GroupedRolloutRequest(
+        num_groups=2,
+        rollouts_per_group=2,
+        inference_interface=interface,
+        generation_args=tr.GenerationArgs(max_tokens=8),
+    )
+    source = tr.PromptSource([tr.Problem(**row) for row in PROBLEMS], seed=0)
+
+    def agent(**fields: Any) -> tr.MultiTurnAgent:
+        return tr.MultiTurnAgent(
+            environment=ToolReplies, renderer=renderer, prompts=source, max_turns=2, **fields
+        )
+
+    try:
+        async with agent().get_grouped_rollouts(request) as stream:
+            await stream.receive()
+        check(False, "a text-only server must be below the default min_fidelity")
+    except tr.TokenFidelityError as error:
+        check("min_fidelity" in str(error), f"the error gives no fix: {error}")
+    groups: list[tr.RolloutGroup] = []
+    with trio.fail_after(STEP_TIMEOUT):
+        async with agent(min_fidelity="retokenized").get_grouped_rollouts(request) as stream:
+            groups += [await stream.receive(), await stream.receive()]
+    close = renderer.close_ids
+    for group in groups:
+        for rollout in group:
+            if not isinstance(rollout, tr.TokenRollout):
+                raise CheckFailed(f"not a TokenRollout: {rollout!r:.80}")
+            check(rollout.fidelity == "retokenized", f"fidelity {rollout.fidelity}")
+            check(rollout.logprobs is None, "a retokenized rollout with logprobs")
+            episode = rollout.extra["episode"]
+            check(episode["breaks"] == 0, f"{episode['breaks']} breaks: the bridge failed")
+            check(episode["turns"] == 2, f"{episode['turns']} turns, not 2")
+            [ids] = rollout.trajectory
+            [mask] = rollout.generation_mask or [[]]
+            ends = [i for i in range(len(ids) - 1) if mask[i] and not mask[i + 1]]
+            for end in ends:
+                check(ids[end + 1 : end + 1 + len(close)] == close, "a turn without its close")
+    check(ToolReplies.closed == ToolReplies.made, "an environment was not closed")
+    shown = renderer.decode(groups[0].rollouts[0].trajectory[0])  # type: ignore[union-attr]
+    return (
+        f"refused at min_fidelity='server_tokens'; {sum(len(g) for g in groups)} "
+        f"retokenized episodes of 2 turns, 0 breaks, {ToolReplies.closed} environments "
+        f"closed; the first: {shown!r}"
+    )
+
+
 # ------------------------------------------------------------------------- main
 
 
@@ -377,6 +461,7 @@ def main(work: Path) -> None:
         check_library(base_url, model, work)
         check_strict_token_ids(base_url, model)
         print("weight updates:", trio.run(weight_updates, base_url, model))
+        print("episodes:", trio.run(episodes, base_url, model, model_dir))
         timings["library"] = time.monotonic() - mark
 
     timings["total"] = time.monotonic() - started
