@@ -27,7 +27,7 @@ exactly once, on every route, shielded and bounded.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -392,7 +392,7 @@ class _Run:
         budget = agent.max_episode_tokens
         interface = self.shared.request.inference_interface
         self.fidelity = backend_fidelity(interface)
-        messages = checked_messages(await self.limited(self.env.reset()), "reset()")
+        messages = checked_messages(await self.limited(self.env.reset), "reset()")
         self.conversation = list(messages)
         self.tools = self.env.tools
         self.elements.append(_Element.scaffold(renderer.render(messages, tools=self.tools)))
@@ -539,13 +539,15 @@ class _Run:
         )
         raise StepTimeoutError(msg)
 
-    async def limited(self, call: Any) -> Any:
-        """Await ``call`` (``reset()``) within ``environment_concurrency``."""
+    async def limited(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Call and await ``call`` (``reset``) within ``environment_concurrency``: the
+        coroutine is made only once a slot is held, so an episode cancelled while it
+        waits for one leaves no coroutine that was never awaited."""
         limiter = self.shared.agent._environment_limiter()
         if limiter is None:
-            return await call
+            return await call()
         async with limiter:
-            return await call
+            return await call()
 
     def go_on(self, sampled: list[int], truncated: bool, step: EnvironmentStep) -> bool:
         """Append what comes before the next turn (close ids after a truncated turn, then
