@@ -573,11 +573,13 @@ class _Run:
             bridge = renderer.bridge(element.ids + close, new_messages, tools=tools)
             why = "the renderer could not prove a bridge (its template is not append-only)"
         if bridge is None:
-            self.broke(why)
-            self.tools = tools
+            # No room for a turn after the full render: the episode ends here, so no new
+            # element starts and nothing broke (no break counted, none raised).
             ids = renderer.render(self.conversation, tools=tools)
             if budget is not None and len(ids) >= budget:
                 return False
+            self.broke(why)
+            self.tools = tools
             self.elements.append(_Element.scaffold(ids))
         else:
             if budget is not None and len(element.ids) + len(close) + len(bridge) >= budget:
