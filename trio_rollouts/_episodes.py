@@ -27,7 +27,7 @@ exactly once, on every route, shielded and bounded.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -397,7 +397,7 @@ class _Run:
         budget = agent.max_episode_tokens
         interface = self.shared.request.inference_interface
         self.fidelity = backend_fidelity(interface)
-        messages = checked_messages(await self.limited(self.env.reset()), "reset()")
+        messages = checked_messages(await self.limited(self.env.reset), "reset()")
         self.conversation = list(messages)
         self.tools = self.env.tools
         self.elements.append(_Element.scaffold(renderer.render(messages, tools=self.tools)))
@@ -545,13 +545,15 @@ class _Run:
         )
         raise StepTimeoutError(msg)
 
-    async def limited(self, call: Any) -> Any:
-        """Await ``call`` (``reset()``) within ``environment_concurrency``."""
+    async def limited(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Call and await ``call`` (``reset``) within ``environment_concurrency``: the
+        coroutine is made only once a slot is held, so an episode cancelled while it
+        waits for one leaves no coroutine that was never awaited."""
         limiter = self.shared.agent._environment_limiter()
         if limiter is None:
-            return await call
+            return await call()
         async with limiter:
-            return await call
+            return await call()
 
     def go_on(
         self, sampled: list[int], truncated: bool, retokenized: bool, step: EnvironmentStep
@@ -581,11 +583,13 @@ class _Run:
             bridge = renderer.bridge(element.ids + close, new_messages, tools=tools)
             why = "the renderer could not prove a bridge (its template is not append-only)"
         if bridge is None:
-            self.broke(why)
-            self.tools = tools
+            # No room for a turn after the full render: the episode ends here, so no new
+            # element starts and nothing broke (no break counted, none raised).
             ids = renderer.render(self.conversation, tools=tools)
             if budget is not None and len(ids) >= budget:
                 return False
+            self.broke(why)
+            self.tools = tools
             self.elements.append(_Element.scaffold(ids))
         else:
             if budget is not None and len(element.ids) + len(close) + len(bridge) >= budget:
