@@ -30,7 +30,10 @@ STOP_EVERY = 8
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}<|eos|>{% endif %}\n"
+    "{% if message['role'] == 'assistant' %}<|eos|>{% endif %}"
+    # An expression: Hugging Face renders with trim_blocks, which would eat a newline
+    # written right after the endif.
+    "{{ '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -389,6 +389,10 @@ async def episodes(base_url: str, model: str, model_dir: Path) -> str:
     allowed, each turn closed with the template's end-of-turn id and bridged with no
     break, every environment closed."""
     renderer = tr.HFRenderer.from_pretrained(model_dir)
+    question = [tr.ChatMessage(role="user", content="What is 2 + 3?")]
+    rendered = renderer.decode(renderer.render(question))
+    plain = tr.inference.render_plain_chat(question)
+    check(rendered == plain, f"the template renders {rendered!r}, not {plain!r}")
     interface = tr.OpenAIInference(base_url, model, token_prompts=False)
     request = tr.GroupedRolloutRequest(
         num_groups=2,

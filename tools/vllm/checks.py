@@ -162,8 +162,12 @@ async def check_token_in(vllm: VLLM) -> str:
     chat = await interface.agenerate(
         interface.prepare_request("Say something.", tr.GenerationArgs(max_tokens=8))
     )
-    if chat.token_ids is None:
+    if chat.token_ids is None or chat.prompt_length is None:
         raise CheckFailed("a chat response without token ids")
+    # The served template renders a prompt of user messages as render_plain_chat does.
+    served = tr.HFRenderer.from_pretrained(vllm.model).decode(chat.token_ids[: chat.prompt_length])
+    plain = tr.inference.render_plain_chat([tr.ChatMessage(role="user", content="Say something.")])
+    check(served == plain, f"the served template rendered {served!r}, not {plain!r}")
     special = 258  # <|pad|> of the byte-level tokenizer, inside the context
     gaps = []
     for ids in (chat.token_ids, [*chat.token_ids[:5], special, *chat.token_ids[5:]]):
