@@ -35,8 +35,10 @@ The arms, for each initial context ``C`` (the ids of the first render):
 The embedded backend has zero latency (``LatencyModel(first_token=0, per_token=0)``) and
 a policy with one fixed completion of ``--completion`` characters, so what is timed is
 CPU: the library's, the backend's and Trio's. Ratios are to ``single`` at the same ``C``,
-measured in the same run; each cell's figure is the median of ``--repeats`` repeats,
-the arms interleaved within each repeat, and the spread is (max - min) / median.
+measured in the same run: each repeat measures every cell once (each backend-alone cell
+next to the agent cells it serves), ratios and differences are formed within a repeat,
+and the table shows their median over ``--repeats`` repeats; a cell's own figures are
+its median, and the spread is (max - min) / median of its CPU per call.
 
 With ``--vllm URL``: the same arms (no ``backend alone``) against a running vLLM server
 through ``OpenAIInference`` (``AcceptsTokens``: token-id prompts on ``/v1/completions``),
@@ -413,15 +415,20 @@ def tokenizer_renderer(directory: Path) -> TokenizerRenderer:
 def arms(contexts: list[int], turns: list[int], floors: bool) -> list[Arm]:
     """The agent cells, each context's in a row, and (``floors``) after each context's
     agent cells the backend-alone cells they are compared with."""
-    result = []
+    result: list[Arm] = []
+    limits_turns = 8 if 8 in turns else max(turns)
     for context in contexts:
         cells = [Arm("single", context, 0)]
-        cells += [Arm(f"multi T={t}", context, t) for t in turns]
-        limits_turns = 8 if 8 in turns else max(turns)
-        cells.append(Arm(f"multi T={limits_turns} +limits", context, limits_turns, limits=True))
-        result += cells
-        if floors:
-            result += list(dict.fromkeys(arm.floor_arm() for arm in cells))
+        for t in turns:
+            cells.append(Arm(f"multi T={t}", context, t))
+            if t == limits_turns:
+                cells.append(Arm(f"multi T={t} +limits", context, t, limits=True))
+        for arm in cells:
+            # Each backend-alone cell just before the first agent cell it serves, so
+            # that the two are measured close in time.
+            if floors and arm.floor_arm() not in result:
+                result.append(arm.floor_arm())
+            result.append(arm)
     return result
 
 
@@ -441,16 +448,24 @@ def fmt_spread(values: list[float]) -> str:
     return f"{(max(values) - min(values)) / middle:.0%}" if middle else "n/a"
 
 
-def median(raw: dict[Arm, list[Measured]], arm: Arm, key: str) -> float:
-    return statistics.median(getattr(m, key) for m in raw[arm])
+def per_repeat(values: list[float | None]) -> float | None:
+    """The median of a figure formed within each repeat (from cells measured close in
+    time); ``None`` values (undefined in that repeat) are left out."""
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
 
 
 def report_table(
     report: Report, title: str, cells: list[Arm], raw: dict[Arm, list[Measured]]
 ) -> None:
-    """One row per agent cell: its cost per call, and (when measured) the backend's
-    alone on the same prompts and the difference, the client's cost; ratios to
-    ``single`` at the same context."""
+    """One row per agent cell: its cost per call (median over repeats), and (when
+    measured) the backend's alone on the same prompts and the difference, the client's
+    cost. Ratios to ``single`` at the same context are formed within each repeat, then
+    their median is shown."""
     floors = any(arm.floor for arm in cells)
     header = ["C", "arm", "ids sent/call", "CPU µs/call", "spread", "wall µs/call"]
     if floors:
@@ -460,27 +475,29 @@ def report_table(
     agents = [arm for arm in cells if not arm.floor]
     for arm in agents:
         base = next(a for a in agents if a.context == arm.context and a.name == "single")
-        cpu = median(raw, arm, "cpu_us")
-        wall = median(raw, arm, "wall_us")
+        results, singles = raw[arm], raw[base]
         row = [
             f"{arm.context:,}",
             arm.name,
-            f"{median(raw, arm, 'mean_context'):,.0f}",
-            f"{cpu:,.1f}",
-            fmt_spread([m.cpu_us for m in raw[arm]]),
-            f"{wall:,.1f}",
+            f"{statistics.median(m.mean_context for m in results):,.0f}",
+            f"{statistics.median(m.cpu_us for m in results):,.1f}",
+            fmt_spread([m.cpu_us for m in results]),
+            f"{statistics.median(m.wall_us for m in results):,.1f}",
         ]
         if floors:
-            floor = median(raw, arm.floor_arm(), "cpu_us")
-            base_client = median(raw, base, "cpu_us") - median(raw, base.floor_arm(), "cpu_us")
+            floor, base_floor = raw[arm.floor_arm()], raw[base.floor_arm()]
+            clients = [m.cpu_us - f.cpu_us for m, f in zip(results, floor, strict=True)]
+            base_clients = [m.cpu_us - f.cpu_us for m, f in zip(singles, base_floor, strict=True)]
+            ratios = [c / b if b > 0 else None for c, b in zip(clients, base_clients, strict=True)]
             row += [
-                f"{floor:,.1f}",
-                f"{cpu - floor:,.1f}",
-                f"{(cpu - floor) / base_client:.2f}x",
+                f"{statistics.median(m.cpu_us for m in floor):,.1f}",
+                f"{statistics.median(clients):,.1f}",
+                fmt_ratio(per_repeat(ratios)),
             ]
+        pairs = list(zip(results, singles, strict=True))
         row += [
-            f"{cpu / median(raw, base, 'cpu_us'):.2f}x",
-            f"{wall / median(raw, base, 'wall_us'):.2f}x",
+            fmt_ratio(per_repeat([m.cpu_us / b.cpu_us for m, b in pairs])),
+            fmt_ratio(per_repeat([m.wall_us / b.wall_us for m, b in pairs])),
         ]
         rows.append(row)
     report.table(title, header, rows)
@@ -615,7 +632,7 @@ def int_list(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls, one repeat")
-    parser.add_argument("--repeats", type=int, help="repeats per cell (default 5; 1 --quick)")
+    parser.add_argument("--repeats", type=int, help="repeats per cell (default 7; 1 --quick)")
     parser.add_argument("--calls", type=int, help="model calls per cell (at least)")
     parser.add_argument("--contexts", type=int_list, help="ids of the first render")
     parser.add_argument("--turns", type=int_list, help="turns per episode")
@@ -633,7 +650,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8, help="vLLM: ids per turn")
     options = parser.parse_args()
     if options.repeats is None:
-        options.repeats = 1 if options.quick else 5
+        options.repeats = 1 if options.quick else 7
     if options.vllm:
         options.contexts = options.contexts or [128]
         options.turns = options.turns or [1, 4, 8]
@@ -643,7 +660,7 @@ def main() -> None:
         options.contexts = options.contexts or ([256, 2048] if options.quick else [256, 2048, 8192])
         options.turns = options.turns or ([1, 8] if options.quick else [1, 4, 8, 32])
         options.in_flight = options.in_flight or 128
-        options.calls = options.calls or (512 if options.quick else 4096)
+        options.calls = options.calls or (512 if options.quick else 1024)
     if options.repeats < 1 or options.calls < 1 or options.in_flight < GROUP_SIZE:
         parser.error(f"--repeats and --calls must be >= 1, --in-flight >= {GROUP_SIZE}")
     report = Report()
