@@ -38,7 +38,13 @@ from ._checks import int_at_least as _int_at_least
 from ._checks import optional_int_at_least as _optional_int_at_least
 from ._checks import seconds as _seconds
 from ._concurrency import gather, real_leaves
-from ._environment import Environment, EnvironmentStep, check_reward, checked_messages
+from ._environment import (
+    BaseEnvironment,
+    Environment,
+    EnvironmentStep,
+    check_reward,
+    checked_messages,
+)
 from ._failure import StepTimeoutError
 from ._gate import call_start_epoch
 from ._messages import ChatMessage
@@ -59,6 +65,9 @@ __all__ = ["ACLOSE_SECONDS", "MultiTurnAgent", "TemplateBreakError", "TokenFidel
 
 #: How long :meth:`Environment.aclose` may take (shielded) before it is abandoned.
 ACLOSE_SECONDS = 5.0
+
+#: What an Environment has (see ``_Episode.run``).
+_ENVIRONMENT_PARTS = ("reset", "step", "final_reward", "aclose", "tools")
 
 #: Each fidelity level's rank: higher is more faithful.
 _RANK = {level: len(FIDELITY_LEVELS) - i for i, level in enumerate(FIDELITY_LEVELS)}
@@ -336,13 +345,18 @@ class _Episode:
     async def run(self) -> TokenRollout:
         """One episode: make its environment, run it, close it on every route."""
         env = self.agent.environment(self.problem)
-        if not isinstance(env, Environment):
-            msg = (
-                f"environment({self.problem.problem_id!r}) returned a "
-                f"{type(env).__name__}, not an Environment (reset, step, final_reward, "
-                "aclose and tools; subclass BaseEnvironment)"
-            )
-            raise TypeError(msg)
+        # A BaseEnvironment needs no look; for anything else, a plain attribute check
+        # rather than isinstance(env, Environment), a runtime protocol check that costs
+        # as much as the rest of a one-turn episode's bookkeeping.
+        if not isinstance(env, BaseEnvironment):
+            missing = [name for name in _ENVIRONMENT_PARTS if not hasattr(env, name)]
+            if missing:
+                msg = (
+                    f"environment({self.problem.problem_id!r}) returned a "
+                    f"{type(env).__name__}, not an Environment: it has no "
+                    f"{', '.join(missing)} (subclass BaseEnvironment)"
+                )
+                raise TypeError(msg)
         try:
             rollout = await _Run(self, env).episode()
         except BaseException as exc:

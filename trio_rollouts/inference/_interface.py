@@ -54,6 +54,10 @@ def _check_prompt_ids(instance: InferenceRequest, attribute: object, value: Any)
     if not isinstance(value, list) or not value:
         msg = f"prompt_ids must be a non-empty list of token ids (int >= 0), got {value!r:.80}"
         raise TypeError(msg)
+    # The common case in C (an episode sends its whole context every turn): all plain
+    # ints, none negative. Only a list that fails it is walked, to name the culprit.
+    if set(map(type, value)) == {int} and min(value) >= 0:
+        return
     for i, token in enumerate(value):
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
             msg = f"prompt_ids[{i}] must be a token id (an int >= 0), got {token!r:.40}"
