@@ -295,7 +295,9 @@ class MultiTurnAgent(GroupedRolloutGenerator):
 
         Raises :class:`TokenFidelityError` before any work when the backend cannot give
         ``min_fidelity``. The first failing episode cancels the others and is raised as
-        itself.
+        itself (an ``ExceptionGroup`` only when several fail before the cancellation
+        reaches them, such as two steps past ``step_timeout`` at the same instant; the
+        failure policy classifies a group by its leaves).
 
         Cancellation: cancels every model call and environment step; returns (or
         raises) only when every episode has ended and every environment was closed.
