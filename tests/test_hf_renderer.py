@@ -235,6 +235,18 @@ def test_a_template_that_does_not_render_the_probe_must_be_given_a_close() -> No
     assert HFRenderer(tokenizer(refusing), close_ids=[IM_END]).close_ids == [IM_END]
 
 
+def test_a_missing_install_is_not_taken_for_a_template_without_a_close() -> None:
+    class WithoutJinja:
+        """transformers without jinja2: apply_chat_template raises ImportError."""
+
+        def apply_chat_template(self, *args: object, **kwargs: object) -> str:
+            msg = "apply_chat_template requires jinja2 to be installed"
+            raise ImportError(msg)
+
+    with pytest.raises(ImportError, match="requires jinja2"):
+        HFRenderer(WithoutJinja())
+
+
 def test_close_and_stop_ids_must_be_ids() -> None:
     with pytest.raises(TypeError, match=r"close_ids\[0\] = '<\|im_end\|>' is not a token id"):
         HFRenderer(tokenizer(), close_ids=["<|im_end|>"])

@@ -260,6 +260,8 @@ class HFRenderer:
             text = self.tokenizer.apply_chat_template(
                 probe, tokenize=False, add_generation_prompt=False
             )
+        except ImportError:
+            raise  # a missing install (jinja2), which close_ids= would not cure
         except Exception as error:
             msg = (
                 "HFRenderer could not derive close_ids: the chat template does not render "
