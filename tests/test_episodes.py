@@ -870,3 +870,27 @@ async def test_a_retokenized_turn_is_closed_with_close_ids_when_the_episode_goes
     assert ids[first : first + 4] == [*R.encode("hey"), 4]
     assert mask[first : first + 4] == [True, True, True, False]
     assert rollout.extra["episode"]["truncated_turns"] == 0  # "stop", not cut
+
+
+@attrs.define(eq=False)
+class NoCacheEpochs(EmbeddedInference):
+    """Stamps policy epochs but reports no cache epochs (as OpenAIInference)."""
+
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        response = await super().base_generate(request)
+        response.kv_cache_epoch = []
+        return response
+
+
+async def test_no_cache_epochs_at_all_are_written_as_for_a_single_turn_rollout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    log = Log()
+    agent = agent_for(log, env={"done_after": 2})
+    [rollout] = await one_group(
+        agent, request(NoCacheEpochs(policy=scripted("a"), seed=0), group=1)
+    )
+    assert rollout.kv_cache_epoch == []
+    assert rollout.policy_epoch == [[(0, 0)]]
+    [with_cache] = await one_group(agent, request(embedded("a"), group=1))
+    assert with_cache.kv_cache_epoch == [[(0, 0)]]

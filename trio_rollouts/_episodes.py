@@ -629,7 +629,11 @@ class _Run:
             env_id=self.shared.agent.env_id,
             problem_id=self.shared.problem.problem_id,
             policy_epoch=[element.policy_epoch for element in elements],
-            kv_cache_epoch=[element.kv_cache_epoch for element in elements],
+            # None at all (a backend that reports no cache epochs) is written as for a
+            # single-turn rollout: an empty list, not one empty list per element.
+            kv_cache_epoch=[element.kv_cache_epoch for element in elements]
+            if any(element.kv_cache_epoch for element in elements)
+            else [],
             num_evictions=[element.evictions for element in elements],
             fidelity=self.fidelity,
             extra={
