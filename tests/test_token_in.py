@@ -284,8 +284,10 @@ async def test_a_chat_only_server_runs_episodes_at_the_fidelity_it_gives() -> No
     strict = FakeOpenAIServer(name="strict", unknown_fields="transformers")
     async with serving(strict):
         interface = make(strict.base_url, token_prompts=False)
-        with trio.fail_after(PROMPT), pytest.raises(tr.TokenFidelityError, match="no token ids"):
+        with trio.fail_after(PROMPT), pytest.raises(tr.TokenFidelityError) as info:
             await one_episode(interface)
+        assert f"OpenAIInference ({strict.base_url})" in str(info.value)
+        assert "returned no token ids" in str(info.value)
         with trio.fail_after(PROMPT):
             rollout = await one_episode(interface, min_fidelity="retokenized", max_turns=2)
     assert rollout.fidelity == "retokenized"

@@ -126,7 +126,7 @@ def backend_fidelity(interface: object) -> str:
 
 
 def _describe(interface: object) -> str:
-    urls = getattr(interface, "base_urls", None)
+    urls = getattr(interface, "base_url", None)  # OpenAIInference's replicas
     name = type(interface).__name__
     if isinstance(urls, tuple) and urls:
         return f"{name} ({', '.join(map(str, urls))})"
