@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the machine and library header, progress lines, and
-tables printed with rich (plain text without it).
+"""What the benchmark scripts share: the machine and library header, progress lines, the
+machine's busy CPU time, and tables printed with rich (plain text without it).
 
 Imported as ``_report`` by the scripts in this folder (run as ``python benchmarks/X.py``,
 which puts the folder on ``sys.path``).
@@ -18,7 +18,14 @@ import trio
 
 import trio_rollouts as tr
 
-__all__ = ["Report", "cpu_model", "library_fingerprint", "machine_lines", "progress"]
+__all__ = [
+    "Report",
+    "busy_cpu_seconds",
+    "cpu_model",
+    "library_fingerprint",
+    "machine_lines",
+    "progress",
+]
 
 
 def cpu_model() -> str:
@@ -63,6 +70,19 @@ def library_fingerprint() -> str:
     except (OSError, subprocess.CalledProcessError):
         commit = "?"
     return f"{package} (commit {commit}, sources sha256 {digest.hexdigest()[:12]})"
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds all cores spent busy so far (steal included), from /proc/stat; ``None``
+    where there is none. Sampled around a run, it says how much other work shared the
+    machine."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def progress(text: str) -> None:

@@ -56,7 +56,6 @@ import cProfile
 import functools
 import gc
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -67,7 +66,7 @@ from typing import Any
 
 import attrs
 import trio
-from _report import Report, machine_lines, progress
+from _report import Report, busy_cpu_seconds, machine_lines, progress
 
 import trio_rollouts as tr
 from trio_rollouts.envs import build_rollouts
@@ -240,17 +239,6 @@ class Measured:
     @property
     def mean_context(self) -> float:
         return self.context_ids / self.calls
-
-
-def busy_cpu_seconds() -> float | None:
-    """CPU seconds all cores spent busy so far, from /proc/stat (as pipeline.py)."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 async def timed(run: Callable[[], Awaitable[None]]) -> Measured:

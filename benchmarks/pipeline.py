@@ -60,7 +60,7 @@ from typing import Any
 
 import attrs
 import trio
-from _report import Report, machine_lines, progress
+from _report import Report, busy_cpu_seconds, machine_lines, progress
 
 import trio_rollouts as tr
 from trio_rollouts.testing import GroupScript, NullInference, ScriptedAgent
@@ -298,17 +298,6 @@ def child(kind: str, arg: str | None) -> None:
 
 
 # ----------------------------------------------------------------------------- parent
-
-
-def busy_cpu_seconds() -> float | None:
-    """CPU seconds all cores spent busy so far (steal included), from /proc/stat."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def run_process(argv: list[str]) -> tuple[str, float | None]:
