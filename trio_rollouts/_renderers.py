@@ -147,13 +147,7 @@ class PlainRenderer:
         *,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int] | None:
-        for i, message in enumerate(new_messages):
-            if message.role == "assistant":
-                msg = (
-                    f"new_messages[{i}] is an assistant message: a bridge holds what comes "
-                    "between assistant turns (the turns themselves are the sampled ids)"
-                )
-                raise ValueError(msg)
+        _refuse_assistant_messages(new_messages)
         text = "\n" + "".join(_message_text(message) for message in new_messages)
         return self.encode(text + "<|assistant|>\n")
 
@@ -375,13 +369,7 @@ class HFRenderer:
         after ``<|im_end|>`` (its ``"\\n"``, which the engine stops before) starts the
         bridge.
         """
-        for i, message in enumerate(new_messages):
-            if message.role == "assistant":
-                msg = (
-                    f"new_messages[{i}] is an assistant message: a bridge holds what comes "
-                    "between assistant turns (the turns themselves are the sampled ids)"
-                )
-                raise ValueError(msg)
+        _refuse_assistant_messages(new_messages)
         close = self._close_ids
         if list(previous_ids[max(len(previous_ids) - len(close), 0) :]) != close:
             return None
@@ -478,6 +466,18 @@ def _parse_turn(text: str) -> AssistantTurn:
         reasoning=reasoning,
         parse_error="; ".join(errors) or None,
     )
+
+
+def _refuse_assistant_messages(new_messages: Sequence[ChatMessage]) -> None:
+    """A bridge holds what comes between assistant turns: an assistant message in it is a
+    ``ValueError`` naming its index."""
+    for i, message in enumerate(new_messages):
+        if message.role == "assistant":
+            msg = (
+                f"new_messages[{i}] is an assistant message: a bridge holds what comes "
+                "between assistant turns (the turns themselves are the sampled ids)"
+            )
+            raise ValueError(msg)
 
 
 def _message_text(message: ChatMessage) -> str:
