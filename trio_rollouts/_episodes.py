@@ -26,6 +26,7 @@ exactly once, on every route, shielded and bounded.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
@@ -320,7 +321,7 @@ class MultiTurnAgent(GroupedRolloutGenerator):
                 start_epoch = interface.policy_epoch
             else:
                 start_epoch = 0
-        episode = _Episode(self, problem, request, start_epoch)
+        episode = _Episode(self, problem, request, start_epoch, fidelity)
         return await gather([episode.run] * request.rollouts_per_group)
 
     def _environment_limiter(self) -> trio.CapacityLimiter | None:
@@ -343,6 +344,9 @@ class _Episode:
     problem: Problem
     request: GroupedRolloutRequest
     start_epoch: int
+    #: What the backend's markers promise for every turn (a turn may still come back
+    #: less faithful: see ``_Run.generate``).
+    fidelity: str
 
     async def run(self) -> TokenRollout:
         """One episode: make its environment, run it, close it on every route."""
@@ -412,7 +416,7 @@ class _Run:
         renderer = agent.renderer
         budget = agent.max_episode_tokens
         interface = self.shared.request.inference_interface
-        self.fidelity = backend_fidelity(interface)
+        self.fidelity = self.shared.fidelity
         messages = checked_messages(await self.limited(self.env.reset), "reset()")
         self.conversation = list(messages)
         self.tools = self.env.tools
@@ -459,7 +463,7 @@ class _Run:
             args = attrs.evolve(
                 args, max_tokens=left if args.max_tokens is None else min(args.max_tokens, left)
             )
-        kind = backend_fidelity(interface)
+        kind = self.shared.fidelity
         inference_request = InferenceRequest(
             prompt=list(self.conversation),
             tools=self.tools,
@@ -535,12 +539,7 @@ class _Run:
     async def step(self, turn: AssistantTurn) -> EnvironmentStep:
         """``env.step(turn)``, within ``environment_concurrency`` and ``step_timeout``
         (waiting for a slot does not count against the deadline)."""
-        limiter = self.shared.agent._environment_limiter()
-        if limiter is None:
-            step = await self.timed_step(turn)
-        else:
-            async with limiter:
-                step = await self.timed_step(turn)
+        step = await self.limited(functools.partial(self.timed_step, turn))
         if not isinstance(step, EnvironmentStep):
             msg = (
                 f"{type(self.env).__name__}.step() returned a {type(step).__name__}, not an "
@@ -562,9 +561,10 @@ class _Run:
         raise StepTimeoutError(msg)
 
     async def limited(self, call: Callable[[], Awaitable[Any]]) -> Any:
-        """Call and await ``call`` (``reset``) within ``environment_concurrency``: the
-        coroutine is made only once a slot is held, so an episode cancelled while it
-        waits for one leaves no coroutine that was never awaited."""
+        """Call and await ``call`` (``reset``, a timed ``step``) within
+        ``environment_concurrency``: the coroutine is made only once a slot is held, so an
+        episode cancelled while it waits for one leaves no coroutine that was never
+        awaited."""
         limiter = self.shared.agent._environment_limiter()
         if limiter is None:
             return await call()
