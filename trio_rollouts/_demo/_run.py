@@ -23,7 +23,7 @@ from ._config import DemoConfig
 from ._environment import DemoEnvironment
 from ._trainer import StepMetrics, Trainer
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DemoResult", "run_demo", "stream_counters"]
 
 _RESUME_STREAM = 0x52455355
 
@@ -177,7 +177,7 @@ async def run_demo(
         async with env.get_grouped_rollouts(request) as stream:
             for step in range(first_step, config.steps + 1):
                 step_metrics = await trainer.step(stream, step)
-                counters = _counters(stream)
+                counters = stream_counters(stream)
                 metrics.append(step_metrics)
                 if (
                     directory is not None
@@ -200,7 +200,7 @@ async def run_demo(
                     )
                 if on_step is not None:
                     on_step(step_metrics)
-            counters = _counters(stream)
+            counters = stream_counters(stream)
     steps = tuple(metrics)
     return DemoResult(
         config=config,
@@ -218,7 +218,8 @@ async def run_demo(
     )
 
 
-def _counters(stream: RolloutStream) -> dict[str, int]:
-    """The stream's counters that a checkpoint carries over (``TOTALS``)."""
+def stream_counters(stream: RolloutStream) -> dict[str, int]:
+    """The stream's counters that a demo reports and a checkpoint carries over
+    (``TOTALS``)."""
     statistics = stream.statistics()
     return {name: getattr(statistics, name) for name in TOTALS}

@@ -33,11 +33,11 @@ from .._episodes import MultiTurnAgent
 from .._models import GroupedRolloutRequest, RolloutGroup, TokenRollout
 from .._prompts import PromptSource
 from .._renderers import PlainRenderer
-from .._stream import RolloutStream
 from ..envs import CalculatorEnvironment, ToolUsePolicy, make_problems
 from ..inference import EmbeddedInference, LatencyModel, WeightUpdateMode
 from ._config import check_mode, check_positive, count_at_least
 from ._environment import dispatch_delayed
+from ._run import stream_counters
 from ._trainer import StepMetrics, Trainer
 
 __all__ = ["ToolDemoAgent", "ToolDemoConfig", "ToolDemoResult", "ToolStepMetrics", "run_tool_demo"]
@@ -230,7 +230,7 @@ async def run_tool_demo(
             metrics.append(step_metrics)
             if on_step is not None:
                 on_step(step_metrics)
-        statistics = _statistics(stream)
+        statistics = stream_counters(stream)
     steps = tuple(metrics)
     return ToolDemoResult(
         config=config,
@@ -245,11 +245,3 @@ async def run_tool_demo(
         restarted=statistics["restarted"],
         stale=statistics["stale"],
     )
-
-
-def _statistics(stream: RolloutStream) -> dict[str, int]:
-    statistics = stream.statistics()
-    return {
-        name: getattr(statistics, name)
-        for name in ("filtered", "weight_updates", "restarted", "stale")
-    }

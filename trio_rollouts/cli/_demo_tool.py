@@ -12,18 +12,14 @@ from typing import IO, Any
 import click
 import trio
 import trio.testing
-from rich.console import Console, Group
-from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console
 from rich.table import Table
 
 from .._demo import ToolDemoConfig, ToolDemoResult, ToolStepMetrics, run_tool_demo
 from ._common import end_live, refuse_existing_out, run, stderr_console, stdout_console
+from ._demo_display import HELD_BY_MODE, TrainingProgress
 
 __all__ = ["run_tool_command"]
-
-#: What each mode does to the calls in flight when an update begins.
-_HELD = {"drain": "cancelled", "restart": "cancelled", "keep": "held", "abort": "aborted"}
 
 
 class _ToolDisplay:
@@ -33,17 +29,8 @@ class _ToolDisplay:
     def __init__(self, console: Console, steps: int, log_every: int) -> None:
         self.console = console
         self.log_every = log_every
-        self.steps = steps
-        self.progress = Progress(
-            TextColumn("[bold]training"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[latest]}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        self.task = self.progress.add_task("steps", total=steps, latest="")
-        self.live = Live(Group(self.progress), console=console, refresh_per_second=8)
+        self.bar = TrainingProgress(console, steps)
+        self.live = self.bar.live
 
     def on_start(self, tool_call_rate: float, accuracy: float) -> None:
         self.console.print(
@@ -54,12 +41,10 @@ class _ToolDisplay:
         )
 
     def on_step(self, m: ToolStepMetrics) -> None:
-        self.progress.update(
-            self.task,
-            advance=1,
-            latest=f"tool calls {m.policy_tool_call_rate:.3f}  accuracy {m.accuracy:.3f}",
+        self.bar.advance(
+            latest=f"tool calls {m.policy_tool_call_rate:.3f}  accuracy {m.accuracy:.3f}"
         )
-        if m.step % self.log_every == 0 or m.step == self.steps:
+        if m.step % self.log_every == 0 or m.step == self.bar.steps:
             self.console.print(
                 f"{m.step:4d}  {m.mean_reward:6.3f}  {m.tool_call_rate:15.3f}  "
                 f"{m.policy_tool_call_rate:17.3f}  {m.accuracy:8.3f}  {m.mean_turns:5.2f}  "
@@ -99,11 +84,9 @@ def _summary(result: ToolDemoResult, wall: float, clock: str) -> Table:
         "staleness mean / max",
         f"{result.staleness_mean:.2f} / {result.staleness_max} policy epochs (bound: {bound})",
     )
-    held = sum(m.training.held for m in steps)
-    table.add_row(
-        "weight updates (mode)",
-        f"{result.weight_updates} ({config.update_mode}), {held} calls {_HELD[config.update_mode]}",
-    )
+    held = f"{sum(m.training.held for m in steps)} calls {HELD_BY_MODE[config.update_mode]}"
+    updates = f"{result.weight_updates} ({config.update_mode}), {held}"
+    table.add_row("weight updates (mode)", updates)
     kind = "simulated" if clock == "virtual" else "real"
     rate = result.groups / result.elapsed if result.elapsed > 0 else math.inf
     table.add_row("throughput", f"{rate:.1f} groups/s ({kind} clock)")

@@ -20,9 +20,7 @@ import click
 import trio
 import trio.testing
 from click.core import ParameterSource
-from rich.console import Console, Group
-from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console
 from rich.table import Table
 
 from .._demo import (
@@ -47,6 +45,7 @@ from ._common import (
     stderr_console,
     stdout_console,
 )
+from ._demo_display import HELD_BY_MODE, TrainingProgress
 from ._demo_tool import run_tool_command
 
 __all__ = ["demo"]
@@ -60,16 +59,8 @@ class _DemoDisplay:
         self.console = console
         self.log_every = log_every
         self.unit = "sim s" if clock == "virtual" else "s"
-        self.progress = Progress(
-            TextColumn("[bold]training"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[latest]}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
-        self.task = self.progress.add_task("steps", total=steps, latest="")
-        self.live = Live(Group(self.progress), console=console, refresh_per_second=8)
+        self.bar = TrainingProgress(console, steps)
+        self.live = self.bar.live
 
     def on_start(self, initial_accuracy: float) -> None:
         self.console.print(
@@ -78,19 +69,15 @@ class _DemoDisplay:
         self.console.print(f"   0         -  {initial_accuracy:8.3f}")
 
     def on_resume(self, checkpoint: DemoCheckpoint) -> None:
-        self.progress.update(self.task, advance=checkpoint.step)
+        self.bar.advance(checkpoint.step)
         self.console.print(
             f"resumed from step {checkpoint.step} (accuracy "
             f"{checkpoint.history[-1].accuracy:.3f}), checkpoint {checkpoint.path}"
         )
 
     def on_step(self, m: StepMetrics) -> None:
-        self.progress.update(
-            self.task,
-            advance=1,
-            latest=f"reward {m.mean_reward:.3f}  accuracy {m.accuracy:.3f}",
-        )
-        if m.step % self.log_every == 0 or m.step == self.progress.tasks[0].total:
+        self.bar.advance(latest=f"reward {m.mean_reward:.3f}  accuracy {m.accuracy:.3f}")
+        if m.step % self.log_every == 0 or m.step == self.bar.steps:
             speed = m.groups_per_second
             rate = f"{speed:8.1f}" if math.isfinite(speed) else "     inf"
             self.console.print(
@@ -98,11 +85,6 @@ class _DemoDisplay:
                 f"{m.filtered:8d}  {m.staleness_mean:11.2f} ({m.staleness_max})  "
                 f"{m.update_seconds * 1000:11.1f}"
             )
-
-
-#: What each mode does to the calls in flight when an update begins (``update.held``;
-#: drain cancels only those that the staleness bound makes too old).
-_HELD = {"drain": "cancelled", "restart": "cancelled", "keep": "held", "abort": "aborted"}
 
 
 def _demo_summary(result: DemoResult, wall: float, clock: str) -> Table:
@@ -123,7 +105,7 @@ def _demo_summary(result: DemoResult, wall: float, clock: str) -> Table:
         "staleness mean / max",
         f"{result.staleness_mean:.2f} / {result.staleness_max} policy epochs (bound: {bound})",
     )
-    held = f"{result.held} calls {_HELD[config.update_mode]}"
+    held = f"{result.held} calls {HELD_BY_MODE[config.update_mode]}"
     if config.max_staleness is not None and config.update_mode in ("keep", "abort"):
         held += " or cancelled"
     table.add_row(
@@ -468,21 +450,27 @@ def demo(
             "groups generated at the same time would share problems; raise --problems"
         )
         raise click.UsageError(msg)
+    # The settings both tasks take from the command line.
+    settings: dict[str, Any] = {
+        "seed": seed,
+        "steps": steps,
+        "groups_per_step": groups_per_step,
+        "group_size": group_size,
+        "lag": lag,
+        "num_problems": num_problems,
+        "learning_rate": learning_rate,
+        "filter_groups": filter_groups,
+        "update_mode": update_mode,
+        "max_staleness": max_staleness,
+    }
     if tool:
-        tool_config = ToolDemoConfig(
-            seed=seed,
-            steps=steps,
-            groups_per_step=groups_per_step,
-            group_size=group_size,
-            lag=lag,
-            num_problems=num_problems,
-            learning_rate=learning_rate,
-            filter_groups=filter_groups,
-            update_mode=update_mode,
-            max_staleness=max_staleness,
-        )
         run_tool_command(
-            tool_config, clock=clock, out=out, overwrite=overwrite, plot=plot, matplotlib=matplotlib
+            ToolDemoConfig(**settings),
+            clock=clock,
+            out=out,
+            overwrite=overwrite,
+            plot=plot,
+            matplotlib=matplotlib,
         )
         return
     every_source = context.get_parameter_source("checkpoint_every")
@@ -490,18 +478,7 @@ def demo(
         msg = "--checkpoint-every needs --checkpoint DIR"
         raise click.UsageError(msg)
     config = DemoConfig(
-        seed=seed,
-        steps=steps,
-        groups_per_step=groups_per_step,
-        group_size=group_size,
-        lag=lag,
-        num_problems=num_problems,
-        learning_rate=learning_rate,
-        filter_groups=filter_groups,
-        update_mode=update_mode,
-        max_staleness=max_staleness,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
+        **settings, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every
     )
     checkpoint = None
     if checkpoint_dir is not None:
