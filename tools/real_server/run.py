@@ -355,14 +355,16 @@ def check_strict_token_ids(base_url: str, model: str) -> None:
 
 
 class ToolReplies(tr.BaseEnvironment):
-    """Answers the first turn with a ``"tool"`` message; done after the second."""
+    """Answers each turn with one ``"tool"`` message; done after ``turns`` turns. Counts
+    the environments made and closed (``nox -s vllm``'s episodes check uses it too)."""
 
     made = 0
     closed = 0
 
-    def __init__(self, problem: tr.Problem) -> None:
+    def __init__(self, problem: tr.Problem, *, turns: int = 2) -> None:
         super().__init__()
         self.problem = problem
+        self.turns = turns
         self.steps = 0
         ToolReplies.made += 1
 
@@ -373,9 +375,11 @@ class ToolReplies(tr.BaseEnvironment):
     async def step(self, turn: tr.AssistantTurn) -> tr.EnvironmentStep:
         await trio.lowlevel.checkpoint()
         self.steps += 1
-        if self.steps == 2:
+        if self.steps == self.turns:
             return tr.EnvironmentStep(done=True, reward=1.0)
-        reply = tr.ChatMessage(role="tool", content="42", extra={"tool_call_id": "call_0"})
+        reply = tr.ChatMessage(
+            role="tool", content=f"result {self.steps}", extra={"tool_call_id": "call_0"}
+        )
         return tr.EnvironmentStep(messages=[reply])
 
     async def aclose(self) -> None:

@@ -26,6 +26,7 @@ client:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -36,7 +37,7 @@ from typing import Any
 
 import attrs
 import trio
-from run import PROBLEMS, CheckFailed, check
+from run import PROBLEMS, CheckFailed, ToolReplies, check
 
 import trio_rollouts as tr
 
@@ -366,35 +367,6 @@ async def check_stream(vllm: VLLM) -> str:
 EPISODE_TURNS = 3
 
 
-class ToolReplies(tr.BaseEnvironment):
-    """Answers each turn with one ``"tool"`` message; done after ``EPISODE_TURNS``."""
-
-    made = 0
-    closed = 0
-
-    def __init__(self, problem: tr.Problem) -> None:
-        super().__init__()
-        self.problem = problem
-        self.steps = 0
-        ToolReplies.made += 1
-
-    async def reset(self) -> Sequence[tr.ChatMessage]:
-        await trio.lowlevel.checkpoint()
-        return [tr.ChatMessage(role="user", content=str(self.problem.prompt))]
-
-    async def step(self, turn: tr.AssistantTurn) -> tr.EnvironmentStep:
-        await trio.lowlevel.checkpoint()
-        self.steps += 1
-        if self.steps == EPISODE_TURNS:
-            return tr.EnvironmentStep(done=True, reward=1.0)
-        reply = tr.ChatMessage(role="tool", content=f"result {self.steps}")
-        return tr.EnvironmentStep(messages=[reply])
-
-    async def aclose(self) -> None:
-        await trio.lowlevel.checkpoint()
-        ToolReplies.closed += 1
-
-
 def check_turn_ends(rollout: tr.TokenRollout, close: list[int], stops: set[int]) -> None:
     """In each element, a turn the episode went on after ends with the end-of-turn id:
     sampled (mask 1), or appended after a cut turn (mask 0); then the bridge."""
@@ -414,7 +386,7 @@ async def check_episodes(vllm: VLLM) -> str:
     eos = renderer.tokenizer.eos_token_id
     check(renderer.close_ids == [eos], f"close_ids {renderer.close_ids}, not [<|eos|>]")
     agent = tr.MultiTurnAgent(
-        environment=ToolReplies,
+        environment=functools.partial(ToolReplies, turns=EPISODE_TURNS),
         renderer=renderer,
         prompts=tr.PromptSource([tr.Problem(**row) for row in PROBLEMS], seed=0),
         max_turns=EPISODE_TURNS,
