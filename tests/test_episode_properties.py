@@ -351,28 +351,15 @@ class ScriptedEnv(tr.BaseEnvironment):
 
 
 @attrs.frozen
-class BreakingRenderer:
+class BreakingRenderer(tr.PlainRenderer):
     """PlainRenderer with optional ``close_ids``, whose bridge cannot be proved when the
     new messages hold ``BREAK``."""
 
     close: str = ""
 
     @property
-    def stop_token_ids(self) -> list[int]:
-        return []
-
-    @property
     def close_ids(self) -> list[int]:
-        return PLAIN.encode(self.close)
-
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        return PLAIN.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return self.encode(self.close)
 
     def bridge(
         self,
@@ -383,16 +370,7 @@ class BreakingRenderer:
     ) -> list[int] | None:
         if any("BREAK" in m.content for m in new_messages):
             return None
-        return PLAIN.bridge(previous_ids, new_messages, tools=tools)
-
-    def parse(self, completion_ids: Sequence[int]) -> tr.AssistantTurn:
-        return PLAIN.parse(completion_ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return PLAIN.decode(ids)
-
-    def encode(self, text: str) -> list[int]:
-        return PLAIN.encode(text)
+        return super().bridge(previous_ids, new_messages, tools=tools)
 
 
 @attrs.frozen

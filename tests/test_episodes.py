@@ -301,7 +301,7 @@ async def test_a_turn_that_fills_the_budget_still_gets_its_step_and_its_done_win
 
 
 @attrs.frozen
-class Closing:
+class Closing(PlainRenderer):
     """PlainRenderer with an end-of-turn id (``\\x04``) and a bridge that, like
     HFRenderer's, refuses to bridge a turn that did not end with it; ``refuse`` makes
     it refuse on the given call numbers."""
@@ -317,15 +317,6 @@ class Closing:
     def close_ids(self) -> list[int]:
         return [4]
 
-    def render(
-        self,
-        messages: Sequence[ChatMessage],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        return R.render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-
     def bridge(
         self,
         previous_ids: Sequence[int],
@@ -336,16 +327,10 @@ class Closing:
         self.calls.append(len(self.calls) + 1)
         if len(self.calls) in self.refuse or not previous_ids or previous_ids[-1] != 4:
             return None
-        return R.bridge(previous_ids, new_messages, tools=tools)
+        return super().bridge(previous_ids, new_messages, tools=tools)
 
     def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
-        return R.parse([i for i in completion_ids if i != 4])
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return R.decode(ids)
-
-    def encode(self, text: str) -> list[int]:
-        return R.encode(text)
+        return super().parse([i for i in completion_ids if i != 4])
 
 
 async def test_a_truncated_turn_is_closed_with_close_ids_at_mask_0(
