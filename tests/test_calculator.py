@@ -382,10 +382,9 @@ def test_turn_one_offers_the_call_or_wrong_answers() -> None:
     expression = str(problem.prompt).removeprefix("What is ").removesuffix("?")
     candidates, probs = policy([ChatMessage(role="user", content=str(problem.prompt))])
     assert len(candidates) == 4 == len(set(candidates))
-    compact = json.dumps(
-        {"name": "calculator", "arguments": {"expression": expression}}, separators=(",", ":")
-    )
-    assert candidates[0] == f"<tool_call>{compact}</tool_call>"
+    # PlainRenderer's form of a call (json.dumps' defaults), so that the turn bridges.
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    assert candidates[0] == f"<tool_call>{call}</tool_call>"
     parsed = turn(candidates[0]).tool_calls[0]
     assert (parsed.name, parsed.arguments) == ("calculator", {"expression": expression})
     for text in candidates[1:]:

@@ -14,7 +14,8 @@ observations are recorded as the run goes and judged afterwards against DESIGN.m
 
 - every delivered episode is what the contract predicts from its script (a reference
   model, :func:`expected_episode`): its elements' ids and masks, finish, reward and
-  ``extra["episode"]`` counters;
+  ``extra["episode"]`` counters; a turn bridges only when its text is the plain layout's
+  re-render of its own parse (:func:`assistant_text`), any other turn is a counted break;
 - the extension property: every request's ``prompt_ids`` (recorded by the backend) is the
   prefix of its element up to the ids sampled for it, which are exactly those sampled;
   ``max_tokens`` of each request is what the budget leaves;
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import math
 import re
 import warnings
@@ -78,6 +80,13 @@ COMPLETIONS = (
     "x" * 30,
 )
 N_PROBLEMS = 60
+
+
+#: The completions written as the plain layout re-renders their parse, so they bridge
+#: (a broken call whose text is not JSON is written back as it is); the others (content
+#: around calls, a call without "arguments", an unclosed call) are breaks. Drawn more
+#: often, so that the extension property is exercised across bridges, not only breaks.
+CANONICAL = (0, 1, 3, 5, 6)
 
 
 class Boom(Exception):
@@ -158,13 +167,27 @@ class Scenario:
                 changes = turn.tools_after is not None and turn.tools_after != script.tools0
                 if self.on_break == "raise" and (turn.brk or changes or turn.tools_after):
                     return True
+                if self.on_break == "raise" and self.may_rewrite(turn):
+                    return True
         return False
+
+    def may_rewrite(self, turn: Turn) -> bool:
+        """Whether the turn's text, or a cut of it, may fail to bridge: it is not the
+        canonical re-render of its parse (or a cut turn gets ``close`` appended)."""
+        completion = COMPLETIONS[turn.completion]
+        cuts = self.gen_max_tokens is not None or self.max_episode_tokens is not None
+        texts = [completion[:k] for k in range(1, len(completion))] if cuts else []
+        return not bridges(completion, "", []) or any(
+            not bridges(text, self.close, []) for text in texts
+        )
 
 
 @st.composite
 def turns(draw: st.DrawFn, failures: bool) -> Turn:
     return Turn(
-        completion=draw(st.integers(0, len(COMPLETIONS) - 1)),
+        completion=draw(
+            st.one_of(st.integers(0, len(COMPLETIONS) - 1), st.sampled_from(CANONICAL))
+        ),
         replies=draw(st.integers(0, 2)),
         brk=draw(st.sampled_from([False, False, False, True])),
         tools_after=draw(st.sampled_from([None, None, None, None, 0, 1, 2])),
@@ -367,10 +390,12 @@ class BreakingRenderer(tr.PlainRenderer):
         new_messages: Sequence[ChatMessage],
         *,
         tools: list[dict[str, Any]] | None = None,
+        messages: Sequence[ChatMessage] | None = None,
     ) -> list[int] | None:
         if any("BREAK" in m.content for m in new_messages):
             return None
-        return super().bridge(previous_ids, new_messages, tools=tools)
+        # messages=: the agent proves the bridge on the conversation at hand.
+        return super().bridge(previous_ids, new_messages, tools=tools, messages=messages)
 
 
 @attrs.frozen
@@ -428,6 +453,53 @@ def make_policy(world: World) -> Any:
 # --------------------------------------------------------------------------- the reference model
 
 
+def message_text(message: ChatMessage) -> str:
+    """A message in the plain layout, written here from the layout PlainRenderer documents
+    (not from its code): ``"<|role|>\\ncontent\\n"``; an assistant message with
+    ``tool_calls`` or ``reasoning_content`` is ``"<|assistant|>\\n"``,
+    ``<think>reasoning</think>``, the content, each call as
+    ``<tool_call>`` + ``json.dumps({"name", "arguments"})`` + ``</tool_call>`` (arguments
+    that are not JSON written as they are), then ``"\\n"``."""
+    extra = message.extra
+    if message.role != "assistant" or not ("tool_calls" in extra or "reasoning_content" in extra):
+        return f"<|{message.role}|>\n{message.content}\n"
+    text = "<|assistant|>\n"
+    if "reasoning_content" in extra:
+        text += f"<think>{extra['reasoning_content']}</think>"
+    text += message.content
+    for call in extra.get("tool_calls", []):
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            text += f"<tool_call>{arguments}</tool_call>"
+            continue
+        body = json.dumps({"name": name, "arguments": decoded}, ensure_ascii=False)
+        text += f"<tool_call>{body}</tool_call>"
+    return text + "\n"
+
+
+def plain_text(messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None) -> str:
+    """A conversation in the plain layout, with the generation prompt."""
+    head = f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""
+    return head + "".join(map(message_text, messages)) + "<|assistant|>\n"
+
+
+def assistant_text(text: str) -> str:
+    """The canonical re-render of a turn the model wrote as ``text``: its parse, as the
+    structured message the agent appends, in the plain layout."""
+    return message_text(PLAIN.parse(PLAIN.encode(text)).to_message())
+
+
+def bridges(text: str, close: str, messages: Sequence[ChatMessage]) -> str | None:
+    """What follows a turn written as ``text`` (then ``close``) and the environment's
+    ``messages``, proved on the conversation: the re-render of the turn, the messages and
+    the generation prompt must start with what the episode holds; ``None`` otherwise."""
+    held = f"<|assistant|>\n{text}{close}"
+    after = assistant_text(text) + "".join(map(message_text, messages)) + "<|assistant|>\n"
+    return after[len(held) :] if after.startswith(held) else None
+
+
 @attrs.frozen
 class Expected:
     failure: str | None = None
@@ -436,6 +508,9 @@ class Expected:
     finish: str = ""
     reward: float = 0.0
     episode: dict[str, Any] = attrs.Factory(dict)
+    #: Turns followed by a bridge decision whose text is (is not) its canonical re-render.
+    canonical: int = 0
+    rewritten: int = 0
 
 
 def expected_episode(sc: Scenario, script: Script, reset: list[ChatMessage]) -> Expected:
@@ -444,9 +519,10 @@ def expected_episode(sc: Scenario, script: Script, reset: list[ChatMessage]) -> 
     tools = TOOLSETS[script.tools0]
     env_tools = tools
     conversation = list(reset)
-    first = PLAIN.render(reset, tools=tools)
+    first = PLAIN.encode(plain_text(reset, tools))
     elements, masks = [first], [[False] * len(first)]
     turns = breaks = tool_calls = parse_errors = truncated = 0
+    canonical = rewritten = 0
     reward: float | None = None
     while True:
         ids, mask = elements[-1], masks[-1]
@@ -484,10 +560,16 @@ def expected_episode(sc: Scenario, script: Script, reset: list[ChatMessage]) -> 
             finish = "max_turns"
             break
         messages = step_messages(turns - 1, spec)
-        conversation += [ChatMessage(role="assistant", content=text), *messages]
+        # The turn goes into the conversation as its parse (a structured message).
+        conversation += [parsed.to_message(), *messages]
         close = PLAIN.encode(sc.close) if cut else []
-        if env_tools != tools or spec.brk:
-            full = PLAIN.render(conversation, tools=env_tools)
+        # The bridge is proved on the conversation: the turn's text must be its canonical
+        # re-render (and a cut turn's close ids must be what the layout writes after it).
+        rest = bridges(text, PLAIN.decode(close), messages)
+        canonical += rest is not None
+        rewritten += rest is None
+        if env_tools != tools or spec.brk or rest is None:
+            full = PLAIN.encode(plain_text(conversation, env_tools))
             if budget is not None and len(full) >= budget:
                 finish = "max_tokens"  # no room for a turn: the episode does not go on
                 break
@@ -498,9 +580,7 @@ def expected_episode(sc: Scenario, script: Script, reset: list[ChatMessage]) -> 
             elements.append(full)
             masks.append([False] * len(full))
         else:
-            bridge = PLAIN.encode(
-                "\n" + "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
-            )
+            bridge = PLAIN.encode(rest)
             if budget is not None and len(ids) + len(close) + len(bridge) >= budget:
                 finish = "max_tokens"
                 break
@@ -520,6 +600,8 @@ def expected_episode(sc: Scenario, script: Script, reset: list[ChatMessage]) -> 
             "parse_errors": parse_errors,
             "truncated_turns": truncated,
         },
+        canonical=canonical,
+        rewritten=rewritten,
     )
 
 
@@ -819,6 +901,16 @@ def note_events(out: Outcome) -> None:
                     event(f"episode with {key}")
             if any(len(b) > 1 for b in rollout.policy_epoch):
                 event("episode with several epochs in an element")
+            # Two turns in one element: a proved bridge between them.
+            if any(len(sampled_runs(mask)) > 1 for mask in rollout.generation_mask or []):
+                event("episode with a bridge")
+            n = int(PLAIN.decode(rollout.trajectory[0]).split("<|system|>\nep")[1].split("\n")[0])
+            problem = problems()[int((rollout.problem_id or "p0")[1:])]
+            expect = expected_episode(out.world.sc, out.world.script(n), reset_messages(n, problem))
+            if expect.canonical:
+                event("episode with a canonical turn")
+            if expect.rewritten:
+                event("episode with a turn that is not its canonical re-render")
             if any(e > group.start_epoch for b in rollout.policy_epoch for _, e in b):
                 event("epoch changed after the group started")
 
@@ -853,6 +945,28 @@ def test_keep_and_abort_updates_inside_and_between_turns_show_in_policy_epoch(
 
 
 # --------------------------------------------------------------------------- targeted rules
+
+
+@pytest.mark.parametrize("close", ["", "<|end|>"])
+@pytest.mark.parametrize("completion", COMPLETIONS)
+def test_the_reference_bridge_is_the_plain_renderers_proof(completion: str, close: str) -> None:
+    # The reference model's bridge (written from the layout) against PlainRenderer's
+    # proof on the conversation, for every completion and every cut of it; and the
+    # completions hold both canonical turns (they bridge) and others (breaks).
+    reset = reset_messages(0, problems()[0])
+    messages = [ChatMessage(role="tool", content="result 0.0")]
+    for k in range(1, len(completion) + 1):
+        text = completion[:k]
+        history = [*reset, PLAIN.parse(PLAIN.encode(text)).to_message()]
+        held = PLAIN.render(reset) + PLAIN.encode(text + close)
+        proved = PLAIN.bridge(held, messages, messages=history)
+        expected = bridges(text, close, messages)
+        assert proved == (None if expected is None else PLAIN.encode(expected)), repr(text)
+        assert PLAIN.render([*history, *messages]) == PLAIN.encode(
+            plain_text([*history, *messages], None)
+        )
+    canonical = [i for i, c in enumerate(COMPLETIONS) if bridges(c, "", []) is not None]
+    assert tuple(canonical) == CANONICAL
 
 
 def one_scenario(**changes: Any) -> Scenario:

@@ -196,7 +196,11 @@ def sampled(renderer: HFRenderer, text: str) -> list[int]:
 def test_it_is_a_renderer_whose_close_is_read_from_the_template() -> None:
     assert isinstance(R, Renderer)
     assert R.close_ids == [IM_END]
-    assert R.stop_token_ids == [IM_END]  # the eos is <|im_end|> itself
+    # The eos is <|im_end|> itself; <|endoftext|> is the family's own stop (Qwen's
+    # generation config ends on both).
+    assert R.stop_token_ids == [IM_END, ENDOFTEXT]
+    assert R.family is not None
+    assert (R.family.tool_parser, R.family.reasoning_parser) == ("hermes", None)
 
 
 def test_the_stop_ids_add_an_eos_that_is_another_token() -> None:
@@ -221,7 +225,7 @@ def test_the_close_is_only_the_special_tokens_right_after_the_content() -> None:
 
 
 def test_a_close_that_cannot_be_derived_must_be_given() -> None:
-    with pytest.raises(ValueError, match=r"'\\n'.*does not start with a special token.*close_ids="):
+    with pytest.raises(ValueError, match=r"writes no special token after an assistant.*close_ids="):
         HFRenderer(tokenizer(PLAIN))
     newline = MODEL.encode("\n", add_special_tokens=False).ids
     renderer = HFRenderer(tokenizer(PLAIN), close_ids=newline, stop_token_ids=[ENDOFTEXT])
@@ -250,8 +254,9 @@ def test_a_missing_install_is_not_taken_for_a_template_without_a_close() -> None
 def test_close_and_stop_ids_must_be_ids() -> None:
     with pytest.raises(TypeError, match=r"close_ids\[0\] = '<\|im_end\|>' is not a token id"):
         HFRenderer(tokenizer(), close_ids=["<|im_end|>"])
-    with pytest.raises(ValueError, match="close_ids must not be empty"):
-        HFRenderer(tokenizer(), close_ids=[])
+    # Empty is a close: the template's next message closes a turn (GLM's <|user|>), so
+    # a turn cut by max_tokens is closed by what the proved bridge starts with.
+    assert HFRenderer(tokenizer(), close_ids=[]).close_ids == []
 
 
 # --------------------------------------------------------------------------- render
@@ -417,9 +422,10 @@ def test_parse_reads_reasoning_and_tool_calls_without_the_stop_token() -> None:
         '<think>add them</think>Let me compute. <tool_call>{"name": "calculator", '
         '"arguments": {"expression": "2+2"}}</tool_call>'
     )
-    ids = sampled(R, text)
+    renderer = HFRenderer(tokenizer(), reasoning_parser="qwen3")
+    ids = sampled(renderer, text)
     assert ids[-1] == IM_END
-    assert R.parse(ids) == AssistantTurn(
+    assert renderer.parse(ids) == AssistantTurn(
         content="Let me compute.",
         tool_calls=(
             ToolCall(
@@ -432,6 +438,13 @@ def test_parse_reads_reasoning_and_tool_calls_without_the_stop_token() -> None:
         reasoning="add them",
         parse_error=None,
     )
+
+
+def test_without_a_reasoning_format_a_think_block_stays_in_the_content() -> None:
+    # The template knows no reasoning: it renders a <think> block only as content, so
+    # that is where it stays (and the turn re-renders as sampled).
+    turn = R.parse(sampled(R, "<think>add them</think>It is 4."))
+    assert (turn.reasoning, turn.content) == (None, "<think>add them</think>It is 4.")
 
 
 def test_a_broken_tool_call_is_kept_raw() -> None:
@@ -465,7 +478,7 @@ def test_encode_and_decode_round_trip_without_special_tokens() -> None:
 def test_from_pretrained_reads_a_saved_tokenizer(tmp_path: Path) -> None:
     tokenizer().save_pretrained(tmp_path)
     renderer = HFRenderer.from_pretrained(tmp_path)
-    assert (renderer.close_ids, renderer.stop_token_ids) == ([IM_END], [IM_END])
+    assert (renderer.close_ids, renderer.stop_token_ids) == ([IM_END], [IM_END, ENDOFTEXT])
     messages = [user("What is 2 + 2?")]
     assert renderer.render(messages, tools=TOOLS) == R.render(messages, tools=TOOLS)
     given_close = HFRenderer.from_pretrained(str(tmp_path), close_ids=[EOT], stop_token_ids=[])
@@ -478,3 +491,86 @@ def test_from_pretrained_without_transformers_names_the_extra(
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install 'trio-rollouts\[hf\]'"):
         HFRenderer.from_pretrained(tmp_path)
+
+
+# --------------------------------------------------------------------------- the proof on the conversation at hand
+
+# Modelled on DeepSeek-R1-distill's: every assistant message loses what precedes
+# </think>, last or not, so both fixed bases agree and only the conversation shows it.
+STRIPS_ALWAYS = """
+{%- for message in messages %}
+    {%- if message.role == 'assistant' %}
+        {%- set content = message.content %}
+        {%- if '</think>' in content %}{%- set content = content.split('</think>')[-1] %}{%- endif %}
+        {{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def episode_turn(renderer: HFRenderer, history: list[ChatMessage], text: str) -> tuple[list[int], list[ChatMessage]]:
+    """The ids and conversation after one sampled turn, the turn as a structured message."""
+    ids = renderer.render(history) + sampled(renderer, text)
+    turn = renderer.parse(sampled(renderer, text))
+    return ids, [*history, turn.to_message()]
+
+
+def test_the_proof_on_the_conversation_sees_a_drift_the_fixed_bases_miss() -> None:
+    renderer = HFRenderer(tokenizer(STRIPS_ALWAYS))
+    history = [user("What is 2 + 2?")]
+    text = "<think>Add them.</think>It is 4."
+    ids, conversation = episode_turn(renderer, history, text)
+    # The fixed bases both lose their reasoning alike: the old proof passes...
+    assert renderer.bridge(ids, [tool("4")]) is not None
+    # ...but the template would not render what the model sampled: a break, not a drift.
+    assert renderer.bridge(ids, [tool("4")], messages=conversation) is None
+
+
+def test_a_tool_episode_on_a_template_that_keeps_reasoning_in_its_chain_bridges() -> None:
+    renderer = HFRenderer(tokenizer(QWEN3), reasoning_parser="qwen3")
+    history = [user("What is 2 + 2?")]
+    text = (
+        "<think>\nUse the tool.\n</think>\n\n"
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+    )
+    ids, conversation = episode_turn(renderer, history, text)
+    turn = renderer.parse(sampled(renderer, text))
+    assert turn.reasoning == "Use the tool."
+    assert turn.tool_calls[0].arguments == {"expression": "2+2"}
+    message = turn.to_message()
+    assert message.extra["tool_calls"][0]["function"]["arguments"] == '{"expression": "2+2"}'
+    reply = ChatMessage(role="tool", content="4", extra={"tool_call_id": turn.tool_calls[0].id})
+    bridge = renderer.bridge(ids, [reply], messages=conversation)
+    # QWEN3 above renders the turn as content only (no tool_calls): the call the model
+    # wrote is gone from the re-render, a rewrite, so no bridge...
+    assert bridge is None
+
+
+def test_the_proof_gives_the_rest_of_the_templates_render() -> None:
+    history = [user("What is 2 + 2?")]
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+    ids, conversation = episode_turn(R, history, text)
+    call_id = conversation[-1].extra["tool_calls"][0]["id"]
+    reply = ChatMessage(role="tool", content="4", extra={"tool_call_id": call_id})
+    bridge = R.bridge(ids, [reply], messages=conversation)
+    assert bridge is not None
+    assert R.decode(bridge) == (
+        "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert ids + bridge == R.render([*conversation, reply])
+
+
+def test_a_template_that_refuses_the_conversation_gives_no_bridge() -> None:
+    refuses_tools = CHATML.replace(
+        "{%- elif message.role == 'tool' %}",
+        "{%- elif message.role == 'tool' %}{{ raise_exception('no tools here') }}",
+    )
+    renderer = HFRenderer(tokenizer(refuses_tools))
+    ids, conversation = episode_turn(renderer, [user("Hi.")], "Hello.")
+    assert renderer.bridge(ids, [tool("4")], messages=conversation) is None
+    with pytest.raises(ValueError, match="the chat template refused the conversation: no tools here"):
+        renderer.render([*conversation, tool("4")])

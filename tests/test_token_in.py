@@ -263,7 +263,8 @@ async def one_episode(interface: OpenAIInference, **fields: Any) -> tr.TokenRoll
 async def test_a_chat_only_server_runs_episodes_at_the_fidelity_it_gives() -> None:
     # It returns the ids it rendered and sampled: server_tokens. Its "template" (one id
     # per message, the content's length) is not the renderer's, so each turn's prompt
-    # differs from the episode's ids: the second turn starts a new element from it.
+    # differs from the episode's ids (a break at each turn), and the renderer cannot
+    # prove a bridge after ids it does not render (a break after the first turn).
     server = FakeOpenAIServer(name="srv")
     server.reply(Reply(json=None), Reply(json=None))
     async with serving(server):
@@ -279,7 +280,7 @@ async def test_a_chat_only_server_runs_episodes_at_the_fidelity_it_gives() -> No
     ]
     assert rollout.fidelity == "server_tokens"
     assert rollout.trajectory[0][:1] == [len("go")]  # the server's prompt ids
-    assert rollout.extra["episode"]["breaks"] == 2
+    assert rollout.extra["episode"]["breaks"] == 3
     # transformers serve refuses return_token_ids: text only, below the default minimum.
     strict = FakeOpenAIServer(name="strict", unknown_fields="transformers")
     async with serving(strict):

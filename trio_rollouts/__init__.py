@@ -51,11 +51,6 @@ from ._multitask import MultiTaskEvaluationResponse as MultiTaskEvaluationRespon
 from ._multitask import WeightedMultiTask as WeightedMultiTask
 from ._multitask import WeightedTask as WeightedTask
 from ._prompts import PromptSource as PromptSource
-from ._renderers import AssistantTurn as AssistantTurn
-from ._renderers import HFRenderer as HFRenderer
-from ._renderers import PlainRenderer as PlainRenderer
-from ._renderers import Renderer as Renderer
-from ._renderers import ToolCall as ToolCall
 from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
 from ._stream import RolloutStream as RolloutStream
 from ._weight_update import WeightUpdate as WeightUpdate
@@ -73,5 +68,10 @@ from .inference import ReturnsRaw as ReturnsRaw
 from .inference import ReturnsTokens as ReturnsTokens
 from .inference import TokenMismatchError as TokenMismatchError
 from .inference import WeightUpdateError as WeightUpdateError
+from .renderers import AssistantTurn as AssistantTurn
+from .renderers import HFRenderer as HFRenderer
+from .renderers import PlainRenderer as PlainRenderer
+from .renderers import Renderer as Renderer
+from .renderers import ToolCall as ToolCall
 
 __version__ = "0.1.0.dev0"

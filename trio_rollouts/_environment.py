@@ -20,7 +20,7 @@ import trio
 
 from ._checks import is_real
 from ._messages import ChatMessage
-from ._renderers import AssistantTurn
+from .renderers import AssistantTurn
 
 __all__ = [
     "BaseEnvironment",

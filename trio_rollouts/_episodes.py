@@ -27,6 +27,7 @@ exactly once, on every route, shielded and bounded.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
@@ -50,7 +51,6 @@ from ._failure import StepTimeoutError
 from ._gate import call_start_epoch
 from ._messages import ChatMessage
 from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, TokenRollout
-from ._renderers import AssistantTurn, Renderer
 from .inference._errors import TokenMismatchError
 from .inference._interface import (
     InferenceInterface,
@@ -61,6 +61,7 @@ from .inference._interface import (
     accepts_tokens,
 )
 from .inference._pausable import Pausable
+from .renderers import AssistantTurn, Renderer
 
 __all__ = ["ACLOSE_SECONDS", "MultiTurnAgent", "TemplateBreakError", "TokenFidelityError"]
 
@@ -87,6 +88,12 @@ class TokenFidelityError(RuntimeError):
 
 
 def _check_renderer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, type):
+        msg = (
+            f"renderer must be a Renderer instance, got the class {value.__name__}: "
+            f"call it ({value.__name__}(...))"
+        )
+        raise TypeError(msg)
     if not isinstance(value, Renderer):
         msg = (
             f"renderer must be a Renderer (PlainRenderer, HFRenderer or one of your own), "
@@ -268,11 +275,14 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     min_fidelity: str = attrs.field(default="server_tokens", validator=_check_min_fidelity)
     #: The environment's name, stamped on every rollout (``env_id``).
     env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    # Whether renderer.bridge takes the conversation at hand (messages=).
+    _bridge_takes_messages: bool = attrs.field(init=False, default=False, repr=False)
     # The environment_concurrency limiter of the current Trio run, and that run.
     _limiter: trio.CapacityLimiter | None = attrs.field(init=False, default=None, repr=False)
     _limiter_run: object = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        self._bridge_takes_messages = _takes_messages(self.renderer)
         if self.prompts is None and type(self).get_problem is MultiTurnAgent.get_problem:
             msg = (
                 f"{type(self).__name__} needs problems: pass prompts= (a PromptSource) or "
@@ -430,7 +440,7 @@ class _Run:
                 break
             response, sampled, kind = await self.generate(interface, element, budget)
             self.turns += 1
-            turn = renderer.parse(sampled)
+            turn = _numbered(renderer.parse(sampled), self.turns)
             self.tool_calls += len(turn.tool_calls)
             self.parse_errors += turn.parse_error is not None
             step = await self.step(turn)
@@ -444,7 +454,7 @@ class _Run:
                 finish = "max_turns"
                 break
             cut = response.finish_reason == "length"
-            if not self.go_on(sampled, cut, kind == "retokenized", step):
+            if not self.go_on(sampled, turn, cut, kind == "retokenized", step):
                 finish = "max_tokens"
                 break
         if reward is None:
@@ -572,7 +582,12 @@ class _Run:
             return await call()
 
     def go_on(
-        self, sampled: list[int], truncated: bool, retokenized: bool, step: EnvironmentStep
+        self,
+        sampled: list[int],
+        turn: AssistantTurn,
+        truncated: bool,
+        retokenized: bool,
+        step: EnvironmentStep,
     ) -> bool:
         """Append what comes before the next turn (close ids after a truncated turn, or a
         retokenized one, whose text never shows the stop token; then the bridge, or a new
@@ -583,10 +598,10 @@ class _Run:
         budget = agent.max_episode_tokens
         element = self.elements[-1]
         stops = renderer.stop_token_ids
-        content = sampled
-        while content and content[-1] in stops:
-            content = content[:-1]
-        self.conversation.append(ChatMessage(role="assistant", content=renderer.decode(content)))
+        # The turn as a structured message (content, tool calls, reasoning): what every
+        # template renders, and what a chat server is sent.
+        self.conversation.append(turn.to_message())
+        history = list(self.conversation)
         new_messages = list(step.messages)
         self.conversation.extend(new_messages)
         tools = self.env.tools
@@ -596,8 +611,16 @@ class _Run:
         if tools != self.tools:
             why = "the environment's tools changed"
         else:
-            bridge = renderer.bridge(element.ids + close, new_messages, tools=tools)
-            why = "the renderer could not prove a bridge (its template is not append-only)"
+            if agent._bridge_takes_messages:
+                bridge = renderer.bridge(  # type: ignore[call-arg]
+                    element.ids + close, new_messages, tools=tools, messages=history
+                )
+            else:
+                bridge = renderer.bridge(element.ids + close, new_messages, tools=tools)
+            why = (
+                "the renderer could not prove a bridge: the template's render of the "
+                "conversation does not extend the episode's ids (it rewrites history)"
+            )
         if bridge is None:
             # No room for a turn after the full render: the episode ends here, so no new
             # element starts and nothing broke (no break counted, none raised).
@@ -647,6 +670,30 @@ class _Run:
                 }
             },
         )
+
+
+def _takes_messages(renderer: Renderer) -> bool:
+    """Whether ``renderer.bridge`` takes the conversation at hand (``messages=``): a
+    renderer written before it existed is called without."""
+    try:
+        parameters = inspect.signature(renderer.bridge).parameters
+    except (TypeError, ValueError):
+        return False
+    return "messages" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
+def _numbered(turn: AssistantTurn, number: int) -> AssistantTurn:
+    """The turn with the call ids a parser made up (``call_<index>``) made unique within
+    the episode (``call_<turn>_<index>``); ids the model wrote are kept."""
+    if not turn.tool_calls:
+        return turn
+    calls = tuple(
+        attrs.evolve(call, id=f"call_{number}_{index}") if call.id == f"call_{index}" else call
+        for index, call in enumerate(turn.tool_calls)
+    )
+    return attrs.evolve(turn, tool_calls=calls)
 
 
 def _mismatch(interface: object, sent: list[int], echoed: list[int]) -> TokenMismatchError:

@@ -32,9 +32,9 @@ from .._checks import int_at_least, non_negative_seconds
 from .._episodes import MultiTurnAgent
 from .._models import GroupedRolloutRequest, RolloutGroup, TokenRollout
 from .._prompts import PromptSource
-from .._renderers import PlainRenderer
 from ..envs import CalculatorEnvironment, ToolUsePolicy, make_problems
 from ..inference import EmbeddedInference, LatencyModel, WeightUpdateMode
+from ..renderers import PlainRenderer
 from ._config import check_mode, check_positive, count_at_least
 from ._environment import dispatch_delayed
 from ._run import stream_counters

@@ -36,8 +36,8 @@ from .._checks import is_real
 from .._environment import BaseEnvironment, EnvironmentStep
 from .._messages import ChatMessage
 from .._models import Problem, RolloutGroup, TokenRollout
-from .._renderers import AssistantTurn, ToolCall
 from .._reward_only import last_number_reward
+from ..renderers import AssistantTurn, ToolCall
 
 __all__ = [
     "CALCULATOR_TOOL",
@@ -340,7 +340,8 @@ def _expression(problem: Problem) -> str:
 
 def _call_text(expression: str) -> str:
     arguments = {"name": "calculator", "arguments": {"expression": expression}}
-    return f"<tool_call>{json.dumps(arguments, separators=(',', ':'))}</tool_call>"
+    # PlainRenderer's form of a call, so that the turn re-renders as sampled and bridges.
+    return f"<tool_call>{json.dumps(arguments)}</tool_call>"
 
 
 def _answer_text(value: str) -> str:
@@ -370,8 +371,8 @@ class ToolUsePolicy:
     probabilities (:data:`~trio_rollouts.inference.Policy`):
 
     - last message ``"user"`` (turn 1): candidate 0 calls the calculator with the
-      problem's expression (``<tool_call>{"name":"calculator","arguments":
-      {"expression":"17 + 25"}}</tool_call>``); candidates 1 to ``K - 1`` answer at once
+      problem's expression (``<tool_call>{"name": "calculator", "arguments":
+      {"expression": "17 + 25"}}</tool_call>``); candidates 1 to ``K - 1`` answer at once
       with a wrong number (``"The answer is 41."``: the answer plus one of the problem's
       ``K - 1`` seeded non-zero :attr:`offsets`). Probabilities: softmax of
       :attr:`call_logits`.

@@ -1,0 +1,479 @@
+"""``HFRenderer``: a Hugging Face tokenizer's chat template, in its ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from .._messages import ChatMessage
+from ._base import (
+    AssistantTurn,
+    assemble_turn,
+    checked_ids,
+    refuse_assistant_messages,
+    remainder,
+)
+from ._families import REASONING_OPENINGS, REASONING_PARSERS, TOOL_PARSERS, Family, detect
+
+__all__ = ["HFRenderer"]
+
+#: The base conversations :meth:`HFRenderer.bridge` renders the new messages after when
+#: it is not given the conversation at hand (``messages=None``): the bridge is proved
+#: only if it is the same after each.
+_BRIDGE_BASES = (
+    (
+        ChatMessage(role="user", content="Hi."),
+        ChatMessage(role="assistant", content="Hello."),
+    ),
+    (
+        ChatMessage(role="user", content="Hi."),
+        ChatMessage(role="assistant", content="<think>\nA greeting.\n</think>\n\nHello."),
+    ),
+)
+#: The assistant content the end-of-turn ids are read after (see ``close_ids``).
+_PROBE_CONTENT = "Probe answer."
+#: How many tools values :meth:`HFRenderer.bridge` keeps the base renders of.
+_BASE_CACHE_SIZE = 64
+#: ``tool_parser=``/``reasoning_parser=``: read the family from the template.
+AUTO = "auto"
+
+
+def _close_ids(value: Iterable[object]) -> list[int]:
+    return checked_ids(value, "close_ids")
+
+
+def _stop_token_ids(value: Iterable[object]) -> list[int]:
+    return checked_ids(value, "stop_token_ids")
+
+
+def _eos_token_ids(value: Iterable[object]) -> tuple[int, ...]:
+    return tuple(checked_ids(value, "eos_token_ids"))
+
+
+def _check_tool_parser(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value != AUTO and value not in TOOL_PARSERS:
+        names = ", ".join(sorted(TOOL_PARSERS))
+        msg = f"tool_parser must be 'auto' or one of {names}; got {value!r:.40}"
+        raise ValueError(msg)
+
+
+def _check_reasoning_parser(
+    instance: object, attribute: attrs.Attribute[Any], value: object
+) -> None:
+    if value is not None and value != AUTO and value not in REASONING_PARSERS:
+        names = ", ".join(sorted(REASONING_PARSERS))
+        msg = f"reasoning_parser must be 'auto', None or one of {names}; got {value!r:.40}"
+        raise ValueError(msg)
+
+
+@attrs.frozen(eq=False)
+class HFRenderer:
+    """A Hugging Face tokenizer's chat template, in its ids.
+
+    ``tokenizer`` is anything with ``apply_chat_template``, ``encode`` and ``decode`` (a
+    ``transformers`` ``PreTrainedTokenizerFast``, say); this class never imports
+    ``transformers`` (only :meth:`from_pretrained` does). A :class:`ChatMessage` goes to the
+    template as ``{"role": ..., "content": ..., **extra}``; an assistant message's
+    ``tool_calls`` arguments given as a JSON string go as the object it holds (as vLLM
+    hands them to templates), and ``reasoning_content`` also as ``reasoning`` and
+    ``thinking`` (the names other templates read).
+
+    **Families.** ``tool_parser`` and ``reasoning_parser`` name the model's formats as
+    vLLM names its parsers (``hermes``, ``llama3_json``, ``mistral``, ``openai``,
+    ``glm45``, ``kimi_k2``, ``deepseek_v3``, ``deepseek_v31``, ``pythonic``,
+    ``qwen3_coder``, ``phi4_mini_json``; reasoning ``deepseek_r1``, ``qwen3``, ``glm45``,
+    ``kimi_k2``, ``openai``, ``mistral``). ``"auto"`` (the default) reads them from the
+    template where its markers are one family's, and is a ``ValueError`` naming the
+    choices where they are not; a template with no tool-call markers reads ``hermes``.
+    ``family`` says what was read.
+
+    **Ends of turns.** ``close_ids`` (what ends an assistant turn) is, unless given, read
+    from the template: the special tokens it writes right after an assistant message's
+    content both when the message is the last and when a user message follows (never
+    the EOS some templates write after the last message only). It may be empty when
+    the template closes a turn with the next message's opening (GLM's ``<|user|>``,
+    ``<|observation|>``); a template that writes no special token after a turn in
+    either case is a ``ValueError``: pass ``close_ids=`` then. ``stop_token_ids`` is,
+    unless given, ``close_ids``, the tokenizer's ``eos_token_id``, ``eos_token_ids``
+    (:meth:`from_pretrained` reads them from the model's ``generation_config.json``) and
+    the family's own stops that the vocabulary has (Llama 3's ``<|eom_id|>``, gpt-oss's
+    ``<|call|>``, GLM's ``<|observation|>``, ...).
+
+    :meth:`parse` decodes the ids without their trailing stop ids, splits the reasoning
+    off (also when the generation prompt opened it, as QwQ's and DeepSeek-R1's do) and
+    reads the tool calls in the family's format.
+
+    The tokenizer (and its template) must not change once the renderer is made.
+    """
+
+    tokenizer: Any
+    tool_parser: str = attrs.field(default=AUTO, kw_only=True, validator=_check_tool_parser)
+    reasoning_parser: str | None = attrs.field(
+        default=AUTO, kw_only=True, validator=_check_reasoning_parser
+    )
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), kw_only=True, converter=_eos_token_ids)
+    family: Family | None = attrs.field(init=False)
+    _close_ids: list[int] = attrs.field(kw_only=True, converter=_close_ids, alias="close_ids")
+    _stop_token_ids: list[int] = attrs.field(
+        kw_only=True, converter=_stop_token_ids, alias="stop_token_ids"
+    )
+    _tools_format: str = attrs.field(init=False, repr=False)
+    _reasoning_format: str | None = attrs.field(init=False, repr=False)
+    _reasoning_opened: bool = attrs.field(init=False, repr=False)
+    _bases: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(
+        init=False, factory=dict, repr=False
+    )
+
+    @family.default
+    def _detect_family(self) -> Family | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return detect(template) if isinstance(template, str) else None
+
+    @_tools_format.default
+    def _choose_tool_parser(self) -> str:
+        if self.tool_parser != AUTO:
+            return self.tool_parser
+        if self.family is not None:
+            return self.family.tool_parser
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, str) and _looks_like_tools(template):
+            names = ", ".join(sorted(TOOL_PARSERS))
+            msg = (
+                "HFRenderer could not tell the tool-call format from the chat template "
+                f"(its markers are no single family's); pass tool_parser= one of {names}"
+            )
+            raise ValueError(msg)
+        return "hermes"
+
+    @_reasoning_format.default
+    def _choose_reasoning_parser(self) -> str | None:
+        if self.reasoning_parser != AUTO:
+            return self.reasoning_parser
+        return self.family.reasoning_parser if self.family is not None else None
+
+    @_reasoning_opened.default
+    def _generation_prompt_opens_reasoning(self) -> bool:
+        if self._reasoning_format is None:
+            return False
+        opening = REASONING_OPENINGS[self._reasoning_format]
+        try:
+            prompt = self._template([{"role": "user", "content": "Probe question."}], None, True)
+        except Exception:
+            return False
+        return prompt.rstrip().endswith(opening) or prompt.rstrip().endswith(
+            opening + "<|message|>"
+        )
+
+    @_close_ids.default
+    def _derive_close_ids(self) -> list[int]:
+        last = self._specials_after_answer(followed=False)
+        followed = self._specials_after_answer(followed=True)
+        close: list[int] = []
+        for a, b in zip(last, followed, strict=False):
+            if a != b:
+                break
+            close.append(a)
+        if not close and not followed and not last:
+            msg = (
+                "HFRenderer could not derive close_ids: the chat template writes no special "
+                "token after an assistant message; pass close_ids= (the ids that end an "
+                "assistant turn)"
+            )
+            raise ValueError(msg)
+        return close
+
+    @_stop_token_ids.default
+    def _derive_stop_token_ids(self) -> list[int]:
+        stops = list(self._close_ids)
+        candidates: list[object] = [getattr(self.tokenizer, "eos_token_id", None)]
+        candidates += self.eos_token_ids
+        if self.family is not None:
+            candidates += [self._token_id(token) for token in self.family.stop_tokens]
+        for token in candidates:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in stops:
+                stops.append(token)
+        return stops
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        close_ids: Sequence[int] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        tool_parser: str = AUTO,
+        reasoning_parser: str | None = AUTO,
+        **kwargs: Any,
+    ) -> HFRenderer:
+        """The renderer of ``transformers.AutoTokenizer.from_pretrained(path, **kwargs)``
+        (needs the ``hf`` extra), with the EOS ids of the model's generation config
+        (``generation_config.json``, when there is one) among its stops; the other
+        arguments as in the class."""
+        try:
+            import transformers  # the optional hf extra: imported only here
+        except ImportError as error:
+            msg = "HFRenderer.from_pretrained needs transformers: pip install 'trio-rollouts[hf]'"
+            raise ImportError(msg) from error
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, **kwargs)
+        overrides: dict[str, Any] = {}
+        if close_ids is not None:
+            overrides["close_ids"] = list(close_ids)
+        if stop_token_ids is not None:
+            overrides["stop_token_ids"] = list(stop_token_ids)
+        return cls(
+            tokenizer,
+            tool_parser=tool_parser,
+            reasoning_parser=reasoning_parser,
+            eos_token_ids=_generation_eos_ids(transformers, path, kwargs),
+            **overrides,
+        )
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self._stop_token_ids)
+
+    @property
+    def close_ids(self) -> list[int]:
+        return list(self._close_ids)
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The template's text for ``messages``, encoded (the text's special tokens are
+        read as such; nothing is added). A template that refuses the conversation (its
+        ``raise_exception``) is a ``ValueError`` naming what it said."""
+        conversation = [_template_message(message) for message in messages]
+        return self.encode(self._template(conversation, tools, add_generation_prompt))
+
+    def bridge(
+        self,
+        previous_ids: Sequence[int],
+        new_messages: Sequence[ChatMessage],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+    ) -> list[int] | None:
+        """The ids after a finished turn, or ``None`` when they cannot be proved.
+
+        With ``messages`` (the conversation ``previous_ids`` holds, assistant turns as
+        structured messages), the proof is made on it: the template's render of
+        ``messages`` and ``new_messages`` with the generation prompt must start with the
+        text of ``previous_ids``, and the bridge is the rest, encoded. A template that
+        rewrites history (drops earlier reasoning, writes a call otherwise than the model
+        did, moves the system prompt, refuses the conversation) gives ``None``.
+
+        Without ``messages``, the new messages are rendered after two fixed base
+        conversations, and the bridge is returned only if it is the same after both and
+        ``previous_ids`` ends with ``close_ids``: a weaker proof, which cannot see what the
+        template does to the conversation at hand.
+        """
+        refuse_assistant_messages(new_messages)
+        if messages is not None:
+            conversation = [_template_message(m) for m in [*messages, *new_messages]]
+            try:
+                full = self._template(conversation, tools, True)
+            except ValueError:
+                return None
+            rest = remainder(self.decode(previous_ids), full)
+            return None if rest is None else self.encode(rest)
+        close = self._close_ids
+        if not close or list(previous_ids[max(len(previous_ids) - len(close), 0) :]) != close:
+            return None
+        bridges = []
+        for base, cut in zip(_BRIDGE_BASES, self._base_cuts(tools), strict=True):
+            if not cut:
+                return None
+            full_ids = self.render([*base, *new_messages], tools=tools)
+            if tuple(full_ids[: len(cut)]) != cut:
+                return None
+            bridges.append(full_ids[len(cut) :])
+        if any(bridge != bridges[0] for bridge in bridges):
+            return None
+        return bridges[0]
+
+    def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
+        ids = list(completion_ids)
+        stops = set(self._stop_token_ids)
+        while ids and ids[-1] in stops:
+            ids.pop()
+        text = self.decode(ids)
+        reasoning: str | None = None
+        if self._reasoning_format is not None:
+            split = REASONING_PARSERS[self._reasoning_format]
+            reasoning, text = split(text, opened=self._reasoning_opened)
+        content, calls = TOOL_PARSERS[self._tools_format](text)
+        return assemble_turn(content, calls, reasoning)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        if not isinstance(text, str):
+            msg = f"the tokenizer's decode returned a {type(text).__name__}, not a str"
+            raise TypeError(msg)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return checked_ids(self.tokenizer.encode(text, add_special_tokens=False), "encode(text)")
+
+    def _template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except ImportError:
+            raise  # a missing install (jinja2)
+        except Exception as error:
+            if type(error).__name__ not in ("TemplateError", "TemplateSyntaxError"):
+                raise
+            msg = f"the chat template refused the conversation: {error}"
+            raise ValueError(msg) from error
+        if not isinstance(text, str):
+            msg = (
+                "the tokenizer's apply_chat_template(..., tokenize=False) returned a "
+                f"{type(text).__name__}, not a str"
+            )
+            raise TypeError(msg)
+        return text
+
+    def _token_id(self, token: str) -> int | None:
+        """The id of a token the vocabulary has as one token, else ``None``."""
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and self.decode(ids) == token else None
+
+    def _special_ids(self) -> set[int]:
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        special.update(
+            token for token, added_token in added.items() if getattr(added_token, "special", False)
+        )
+        return special
+
+    def _specials_after_answer(self, *, followed: bool) -> list[int]:
+        """The special tokens the template writes right after an assistant message's
+        content, when it is the last message or when a user message follows."""
+        probe = [
+            {"role": "user", "content": "Probe question."},
+            {"role": "assistant", "content": _PROBE_CONTENT},
+        ]
+        if followed:
+            probe.append({"role": "user", "content": "Next question."})
+        try:
+            text = self._template(probe, None, False)
+        except ImportError:
+            raise
+        except Exception as error:
+            msg = (
+                "HFRenderer could not derive close_ids: the chat template does not render "
+                f"a user message and an assistant answer ({error!r}); pass close_ids="
+            )
+            raise ValueError(msg) from error
+        if _PROBE_CONTENT not in text:
+            msg = (
+                "HFRenderer could not derive close_ids: the chat template does not write an "
+                "assistant message's content verbatim; pass close_ids="
+            )
+            raise ValueError(msg)
+        after = text[text.rindex(_PROBE_CONTENT) + len(_PROBE_CONTENT) :]
+        special = self._special_ids()
+        close: list[int] = []
+        for token in self.encode(after):
+            if token not in special:
+                break
+            close.append(token)
+        return close
+
+    def _base_cuts(self, tools: list[dict[str, Any]] | None) -> tuple[tuple[int, ...], ...]:
+        """Each base's render (no generation prompt) cut just after its last ``close_ids``
+        (empty if they are not there), kept per tools value."""
+        try:
+            key: str | None = json.dumps(tools, sort_keys=True)
+        except (TypeError, ValueError):
+            key = None  # not JSON: computed every time
+        if key is not None and key in self._bases:
+            return self._bases[key]
+        try:
+            cuts = tuple(
+                _cut_after_last(
+                    self.render(base, tools=tools, add_generation_prompt=False), self._close_ids
+                )
+                for base in _BRIDGE_BASES
+            )
+        except ValueError:
+            cuts = ((), ())
+        if key is not None:
+            if len(self._bases) >= _BASE_CACHE_SIZE:
+                self._bases.clear()
+            self._bases[key] = cuts
+        return cuts
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: arguments as objects, reasoning under the
+    names templates use."""
+    data: dict[str, Any] = {**message.extra, "role": message.role, "content": message.content}
+    calls = data.get("tool_calls")
+    if isinstance(calls, list):
+        data["tool_calls"] = [_template_call(call) for call in calls]
+    reasoning = data.get("reasoning_content")
+    if isinstance(reasoning, str):
+        data.setdefault("reasoning", reasoning)
+        data.setdefault("thinking", reasoning)
+    return data
+
+
+def _template_call(call: object) -> object:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict):
+            function["arguments"] = decoded
+    return {**call, "function": function}
+
+
+def _looks_like_tools(template: str) -> bool:
+    return "tool_calls" in template or "tools" in template
+
+
+def _generation_eos_ids(transformers: Any, path: object, kwargs: dict[str, Any]) -> list[int]:
+    """The EOS ids of the model's generation config (none when it has none)."""
+    try:
+        config = transformers.GenerationConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError):
+        return []
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, int):
+        return [eos]
+    if isinstance(eos, list):
+        return [token for token in eos if isinstance(token, int)]
+    return []
+
+
+def _cut_after_last(ids: list[int], close: list[int]) -> tuple[int, ...]:
+    """``ids`` up to the end of the last occurrence of ``close`` (empty if none)."""
+    for end in range(len(ids), len(close) - 1, -1):
+        if ids[end - len(close) : end] == close:
+            return tuple(ids[:end])
+    return ()

@@ -1,0 +1,33 @@
+"""``phi4_mini_json``: Phi-4-mini's calls, ``functools[{"name": ..., "arguments": {...}},
+...]``; the content is the text before ``functools``."""
+
+from __future__ import annotations
+
+import json
+
+from ._base import ToolCall
+from ._calls import broken, call_from_object
+
+_MARK = "functools"
+
+
+def parse(text: str) -> tuple[str, list[ToolCall]]:
+    content, found, rest = text.partition(_MARK)
+    if not found or not rest.lstrip().startswith("["):
+        return text.strip(), []
+    try:
+        data = json.loads(rest)
+    except ValueError as error:
+        return content.strip(), [broken("call_0", rest, f"not JSON ({error})")]
+    if not isinstance(data, list):
+        return content.strip(), [broken("call_0", rest, "not a JSON list")]
+    calls = [
+        call_from_object(
+            f"call_{index}",
+            json.dumps(item, ensure_ascii=False),
+            item,
+            arguments_keys=("arguments", "parameters"),
+        )
+        for index, item in enumerate(data)
+    ]
+    return content.strip(), calls
