@@ -511,7 +511,9 @@ STRIPS_ALWAYS = """
 """
 
 
-def episode_turn(renderer: HFRenderer, history: list[ChatMessage], text: str) -> tuple[list[int], list[ChatMessage]]:
+def episode_turn(
+    renderer: HFRenderer, history: list[ChatMessage], text: str
+) -> tuple[list[int], list[ChatMessage]]:
     """The ids and conversation after one sampled turn, the turn as a structured message."""
     ids = renderer.render(history) + sampled(renderer, text)
     turn = renderer.parse(sampled(renderer, text))
@@ -572,5 +574,7 @@ def test_a_template_that_refuses_the_conversation_gives_no_bridge() -> None:
     renderer = HFRenderer(tokenizer(refuses_tools))
     ids, conversation = episode_turn(renderer, [user("Hi.")], "Hello.")
     assert renderer.bridge(ids, [tool("4")], messages=conversation) is None
-    with pytest.raises(ValueError, match="the chat template refused the conversation: no tools here"):
+    with pytest.raises(
+        ValueError, match="the chat template refused the conversation: no tools here"
+    ):
         renderer.render([*conversation, tool("4")])

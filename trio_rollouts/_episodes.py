@@ -440,7 +440,7 @@ class _Run:
                 break
             response, sampled, kind = await self.generate(interface, element, budget)
             self.turns += 1
-            turn = _numbered(renderer.parse(sampled), self.turns)
+            turn = _numbered(renderer, renderer.parse(sampled), self.turns)
             self.tool_calls += len(turn.tool_calls)
             self.parse_errors += turn.parse_error is not None
             step = await self.step(turn)
@@ -684,13 +684,21 @@ def _takes_messages(renderer: Renderer) -> bool:
     )
 
 
-def _numbered(turn: AssistantTurn, number: int) -> AssistantTurn:
+def _numbered(renderer: Renderer, turn: AssistantTurn, number: int) -> AssistantTurn:
     """The turn with the call ids a parser made up (``call_<index>``) made unique within
-    the episode (``call_<turn>_<index>``); ids the model wrote are kept."""
+    the episode: the renderer's ``call_id(turn, index)`` where it has one (Mistral's
+    templates take only nine letters and digits), else ``call_<turn>_<index>``; ids the
+    model wrote are kept."""
     if not turn.tool_calls:
         return turn
+    make = getattr(renderer, "call_id", None)
     calls = tuple(
-        attrs.evolve(call, id=f"call_{number}_{index}") if call.id == f"call_{index}" else call
+        attrs.evolve(
+            call,
+            id=make(number, index) if callable(make) else f"call_{number}_{index}",
+        )
+        if call.id == f"call_{index}"
+        else call
         for index, call in enumerate(turn.tool_calls)
     )
     return attrs.evolve(turn, tool_calls=calls)

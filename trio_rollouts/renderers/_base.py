@@ -108,7 +108,8 @@ class Renderer(Protocol):
 
     A renderer of your own may leave out the ``messages`` keyword of ``bridge``:
     :class:`~trio_rollouts.MultiTurnAgent` then calls it without, and the proof is
-    whatever that renderer makes.
+    whatever that renderer makes. It may also have ``call_id(turn, index) -> str``, the
+    id of a call the model wrote without one (default ``call_<turn>_<index>``).
     """
 
     @property

@@ -13,7 +13,15 @@ from typing import Any
 
 from ._base import ToolCall
 
-__all__ = ["broken", "call_from_json", "call_from_parts", "object_arguments"]
+__all__ = [
+    "broken",
+    "call_from_json",
+    "call_from_object",
+    "call_from_parts",
+    "json_items",
+    "loose_value",
+    "object_arguments",
+]
 
 
 def broken(call_id: str, raw: str, why: str, name: str | None = None) -> ToolCall:
@@ -81,6 +89,39 @@ def call_from_parts(call_id: str, raw: str, name: str, arguments_text: str) -> T
     if arguments is None:
         return broken(call_id, raw, why or "no arguments", name=name)
     return ToolCall(id=call_id, name=name, arguments=arguments, raw=raw)
+
+
+def json_items(text: str) -> list[tuple[str, object]] | None:
+    """The items of a JSON list, each with its text as written; ``None`` when ``text``
+    is not one JSON list (trailing whitespace allowed)."""
+    decoder = json.JSONDecoder()
+    body = text.strip()
+    if not body.startswith("["):
+        return None
+    items: list[tuple[str, object]] = []
+    position = _skip(body, 1)
+    if position < len(body) and body[position] == "]":
+        return items if _skip(body, position + 1) == len(body) else None
+    while position < len(body):
+        try:
+            value, end = decoder.raw_decode(body, position)
+        except ValueError:
+            return None
+        items.append((body[position:end], value))
+        position = _skip(body, end)
+        if position < len(body) and body[position] == ",":
+            position = _skip(body, position + 1)
+            continue
+        if position < len(body) and body[position] == "]":
+            return items if _skip(body, position + 1) == len(body) else None
+        return None
+    return None
+
+
+def _skip(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    return position
 
 
 def loose_value(text: str) -> Any:

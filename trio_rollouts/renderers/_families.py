@@ -53,7 +53,7 @@ REASONING_PARSERS: dict[str, ReasoningParser] = {
     "qwen3": think,
     "glm45": think,
     "kimi_k2": think,
-    "openai": openai.reasoning,
+    "openai_gptoss": openai.reasoning,
     "mistral": mistral.reasoning,
 }
 
@@ -65,7 +65,7 @@ REASONING_OPENINGS = {
     "glm45": "<think>",
     "kimi_k2": "<think>",
     "mistral": "[THINK]",
-    "openai": "<|channel|>analysis",
+    "openai_gptoss": "<|channel|>analysis",
 }
 
 
@@ -85,7 +85,7 @@ class Family:
 _FAMILIES: tuple[tuple[tuple[str, ...], Family], ...] = (
     (
         ("<|channel|>", "<|message|>"),
-        Family("gpt-oss", "openai", "openai", ("<|call|>", "<|return|>")),
+        Family("gpt-oss", "openai", "openai_gptoss", ("<|call|>", "<|return|>")),
     ),
     (("[TOOL_CALLS]",), Family("mistral", "mistral", None, ("</s>",))),
     (("<|tool_calls_section_begin|>",), Family("kimi-k2", "kimi_k2", None, ("<|im_end|>",))),
@@ -114,11 +114,19 @@ _FAMILIES: tuple[tuple[tuple[str, ...], Family], ...] = (
         ('"parameters"', "<|start_header_id|>"),
         Family("llama-3", "llama3_json", None, ("<|eom_id|>", "<|eot_id|>", "<|end_of_text|>")),
     ),
-    (("<tool_call>",), Family("hermes", "hermes", None, ("<|im_end|>", "<|endoftext|>"))),
+    (
+        ("<tool_call>",),
+        Family("hermes", "hermes", None, ("<|im_end|>", "<|endoftext|>", "<|end_of_text|>")),
+    ),
 )
 
-#: Reasoning markers, looked for apart from the tool format.
-_REASONING: tuple[tuple[str, str], ...] = (("[THINK]", "mistral"), ("<think>", "deepseek_r1"))
+#: Reasoning markers, looked for apart from the tool format: ``<think>`` in a ChatML
+#: template is Qwen3's, elsewhere DeepSeek-R1's (the same format under vLLM's names).
+_REASONING: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("[THINK]",), "mistral"),
+    (("<think>", "<|im_start|>"), "qwen3"),
+    (("<think>",), "deepseek_r1"),
+)
 
 
 def detect(template: str) -> Family | None:
@@ -132,8 +140,8 @@ def detect(template: str) -> Family | None:
         return None
     family = found[0]
     if family.reasoning_parser is None:
-        for marker, name in _REASONING:
-            if marker in template:
+        for markers, name in _REASONING:
+            if all(marker in template for marker in markers):
                 family = attrs.evolve(family, reasoning_parser=name)
                 break
     return family

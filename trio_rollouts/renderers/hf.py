@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +42,23 @@ _PROBE_CONTENT = "Probe answer."
 _BASE_CACHE_SIZE = 64
 #: ``tool_parser=``/``reasoning_parser=``: read the family from the template.
 AUTO = "auto"
+#: A tool the close is probed with when the template renders nothing without tools
+#: (Hermes-3's tool-use template).
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe",
+            "description": "A probe.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
+#: The call ids Mistral's templates accept.
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+#: Tool-call formats whose templates write a call's arguments as the JSON string they are
+#: given (DeepSeek's concatenate them); every other template is given an object.
+_STRING_ARGUMENTS = frozenset({"deepseek_v3", "deepseek_v31"})
 
 
 def _close_ids(value: Iterable[object]) -> list[int]:
@@ -79,8 +98,10 @@ class HFRenderer:
     ``transformers`` (only :meth:`from_pretrained` does). A :class:`ChatMessage` goes to the
     template as ``{"role": ..., "content": ..., **extra}``; an assistant message's
     ``tool_calls`` arguments given as a JSON string go as the object it holds (as vLLM
-    hands them to templates), and ``reasoning_content`` also as ``reasoning`` and
-    ``thinking`` (the names other templates read).
+    hands them to templates; DeepSeek's templates, which concatenate the string, get it
+    as is), ``reasoning_content`` also as ``reasoning`` and ``thinking`` (the names
+    other templates read), and for Mistral's templates call ids that are not nine letters
+    and digits go as nine derived from them (in calls and replies alike).
 
     **Families.** ``tool_parser`` and ``reasoning_parser`` name the model's formats as
     vLLM names its parsers (``hermes``, ``llama3_json``, ``mistral``, ``openai``,
@@ -236,6 +257,13 @@ class HFRenderer:
     def stop_token_ids(self) -> list[int]:
         return list(self._stop_token_ids)
 
+    def call_id(self, turn: int, index: int) -> str:
+        """The id of a call the model wrote without one: ``call_<turn>_<index>``, or for
+        Mistral's templates (which refuse any id but nine letters and digits) nine
+        derived from it."""
+        call_id = f"call_{turn}_{index}"
+        return _mistral_id(call_id) if self._tools_format == "mistral" else call_id
+
     @property
     def close_ids(self) -> list[int]:
         return list(self._close_ids)
@@ -250,7 +278,7 @@ class HFRenderer:
         """The template's text for ``messages``, encoded (the text's special tokens are
         read as such; nothing is added). A template that refuses the conversation (its
         ``raise_exception``) is a ``ValueError`` naming what it said."""
-        conversation = [_template_message(message) for message in messages]
+        conversation = [self._template_message(message) for message in messages]
         return self.encode(self._template(conversation, tools, add_generation_prompt))
 
     def bridge(
@@ -277,7 +305,7 @@ class HFRenderer:
         """
         refuse_assistant_messages(new_messages)
         if messages is not None:
-            conversation = [_template_message(m) for m in [*messages, *new_messages]]
+            conversation = [self._template_message(m) for m in [*messages, *new_messages]]
             try:
                 full = self._template(conversation, tools, True)
             except ValueError:
@@ -340,8 +368,8 @@ class HFRenderer:
         except ImportError:
             raise  # a missing install (jinja2)
         except Exception as error:
-            if type(error).__name__ not in ("TemplateError", "TemplateSyntaxError"):
-                raise
+            # raise_exception's TemplateError, or the template failing on the messages
+            # (DeepSeek's concatenating an object): either way it cannot render them.
             msg = f"the chat template refused the conversation: {error}"
             raise ValueError(msg) from error
         if not isinstance(text, str):
@@ -375,7 +403,10 @@ class HFRenderer:
         if followed:
             probe.append({"role": "user", "content": "Next question."})
         try:
-            text = self._template(probe, None, False)
+            try:
+                text = self._template(probe, None, False)
+            except ValueError:
+                text = self._template(probe, _PROBE_TOOLS, False)
         except ImportError:
             raise
         except Exception as error:
@@ -423,27 +454,45 @@ class HFRenderer:
             self._bases[key] = cuts
         return cuts
 
+    def _template_message(self, message: ChatMessage) -> dict[str, Any]:
+        """A message as this family's template reads it (see the class docstring)."""
+        data: dict[str, Any] = {
+            **message.extra,
+            "role": message.role,
+            "content": message.content,
+        }
+        mistral = self._tools_format == "mistral"
+        calls = data.get("tool_calls")
+        if isinstance(calls, list):
+            decode = self._tools_format not in _STRING_ARGUMENTS
+            data["tool_calls"] = [_template_call(call, decode, mistral) for call in calls]
+        if mistral and isinstance(data.get("tool_call_id"), str):
+            data["tool_call_id"] = _mistral_id(data["tool_call_id"])
+        reasoning = data.get("reasoning_content")
+        if isinstance(reasoning, str):
+            data.setdefault("reasoning", reasoning)
+            data.setdefault("thinking", reasoning)
+        return data
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: arguments as objects, reasoning under the
-    names templates use."""
-    data: dict[str, Any] = {**message.extra, "role": message.role, "content": message.content}
-    calls = data.get("tool_calls")
-    if isinstance(calls, list):
-        data["tool_calls"] = [_template_call(call) for call in calls]
-    reasoning = data.get("reasoning_content")
-    if isinstance(reasoning, str):
-        data.setdefault("reasoning", reasoning)
-        data.setdefault("thinking", reasoning)
-    return data
+
+def _mistral_id(call_id: str) -> str:
+    """A call id as Mistral's templates accept it: itself when it is nine letters and
+    digits, else nine derived from it (the same for the call and its reply)."""
+    if _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
-def _template_call(call: object) -> object:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+def _template_call(call: object, decode: bool, mistral: bool) -> object:
+    if not isinstance(call, dict):
+        return call
+    if mistral and isinstance(call.get("id"), str):
+        call = {**call, "id": _mistral_id(call["id"])}
+    if not isinstance(call.get("function"), dict):
         return call
     function = dict(call["function"])
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
+    if decode and isinstance(arguments, str):
         try:
             decoded = json.loads(arguments)
         except ValueError:

@@ -1,18 +1,17 @@
 """``mistral``: ``[TOOL_CALLS]`` then either a JSON list of ``{"name", "arguments", "id"}``
 objects (tokenizer v3, Mistral-Nemo) or ``name[ARGS]{...}`` per call, with an optional
 ``[CALL_ID]id`` (v11 and later, Mistral-Small 3.2). The content is the text before the
-first ``[TOOL_CALLS]``; the model's own call ids are kept, and a call without one gets
-nine letters and digits derived from its text (Mistral's templates refuse other ids,
-as vLLM's Mistral parser knows). Reasoning is
+first ``[TOOL_CALLS]``; the model's own call ids are kept (a call without one gets
+``call_<index>``; :class:`~trio_rollouts.HFRenderer` writes ids as the nine letters and
+digits Mistral's templates require). Reasoning is
 ``[THINK]...[/THINK]`` (:func:`reasoning`)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 from ._base import ToolCall
-from ._calls import broken, call_from_object, call_from_parts
+from ._calls import broken, call_from_object, call_from_parts, json_items
 from ._think import split
 
 _CALLS = "[TOOL_CALLS]"
@@ -33,22 +32,17 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
     return content.strip(), calls
 
 
-def _made_up_id(raw: str, index: int) -> str:
-    """Nine alphanumerics, as Mistral's templates require, stable for the same call."""
-    return hashlib.sha1(f"{index}:{raw}".encode()).hexdigest()[:9]
-
-
 def _json_list(chunk: str, first: int) -> list[ToolCall]:
-    try:
-        data = json.loads(chunk)
-    except ValueError as error:
-        return [broken(f"call_{first}", chunk, f"not JSON ({error})")]
-    if not isinstance(data, list):
+    items = json_items(chunk)
+    if items is None:
+        try:
+            json.loads(chunk)
+        except ValueError as error:
+            return [broken(f"call_{first}", chunk, f"not JSON ({error})")]
         return [broken(f"call_{first}", chunk, "not a JSON list")]
     calls = []
-    for offset, item in enumerate(data):
-        raw = json.dumps(item, ensure_ascii=False)
-        call_id = _made_up_id(raw, first + offset)
+    for offset, (raw, item) in enumerate(items):
+        call_id = f"call_{first + offset}"
         if isinstance(item, dict) and isinstance(item.get("id"), str):
             call_id = item["id"]
         calls.append(call_from_object(call_id, raw, item))
@@ -56,7 +50,7 @@ def _json_list(chunk: str, first: int) -> list[ToolCall]:
 
 
 def _named(chunk: str, index: int) -> ToolCall:
-    call_id = _made_up_id(chunk, index)
+    call_id = f"call_{index}"
     head, found, arguments = chunk.partition(_ARGS)
     if not found:
         return broken(call_id, chunk, "no [ARGS]")

@@ -21,7 +21,7 @@ from ._calls import call_from_parts
 
 _START = "<|start|>"
 _ENDS = re.compile(r"<\|end\|>|<\|call\|>|<\|return\|>")
-_RECIPIENT = re.compile(r"\bto=(\S+)")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 def _messages(text: str) -> list[tuple[str, str, str]]:

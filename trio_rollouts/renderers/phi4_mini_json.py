@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ._base import ToolCall
-from ._calls import broken, call_from_object
+from ._calls import broken, call_from_object, json_items
 
 _MARK = "functools"
 
@@ -15,19 +15,15 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
     content, found, rest = text.partition(_MARK)
     if not found or not rest.lstrip().startswith("["):
         return text.strip(), []
-    try:
-        data = json.loads(rest)
-    except ValueError as error:
-        return content.strip(), [broken("call_0", rest, f"not JSON ({error})")]
-    if not isinstance(data, list):
+    items = json_items(rest)
+    if items is None:
+        try:
+            json.loads(rest)
+        except ValueError as error:
+            return content.strip(), [broken("call_0", rest, f"not JSON ({error})")]
         return content.strip(), [broken("call_0", rest, "not a JSON list")]
     calls = [
-        call_from_object(
-            f"call_{index}",
-            json.dumps(item, ensure_ascii=False),
-            item,
-            arguments_keys=("arguments", "parameters"),
-        )
-        for index, item in enumerate(data)
+        call_from_object(f"call_{index}", raw, item, arguments_keys=("arguments", "parameters"))
+        for index, (raw, item) in enumerate(items)
     ]
     return content.strip(), calls

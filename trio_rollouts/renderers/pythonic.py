@@ -40,7 +40,7 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
             arguments = {
                 str(keyword.arg): ast.literal_eval(keyword.value) for keyword in node.keywords
             }
-        except ValueError:
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             calls.append(broken(call_id, raw, "a value that is not a literal", name))
             continue
         calls.append(ToolCall(id=call_id, name=name, arguments=arguments, raw=raw))
