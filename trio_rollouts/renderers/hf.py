@@ -107,7 +107,7 @@ class HFRenderer:
     vLLM names its parsers (``hermes``, ``llama3_json``, ``mistral``, ``openai``,
     ``glm45``, ``kimi_k2``, ``deepseek_v3``, ``deepseek_v31``, ``pythonic``,
     ``qwen3_coder``, ``phi4_mini_json``; reasoning ``deepseek_r1``, ``qwen3``, ``glm45``,
-    ``kimi_k2``, ``openai``, ``mistral``). ``"auto"`` (the default) reads them from the
+    ``kimi_k2``, ``openai_gptoss``, ``mistral``). ``"auto"`` (the default) reads them from the
     template where its markers are one family's, and is a ``ValueError`` naming the
     choices where they are not; a template with no tool-call markers reads ``hermes``.
     ``family`` says what was read.
