@@ -338,7 +338,13 @@ def written_turn(
         written = re.sub(r"\[CALL_ID\][A-Za-z0-9]{9}", "", text)
     elif plan.how == "compact":
         written = text.replace('", "', '","').replace('": ', '":').replace(", ", ",")
-    return written, stop, written == text
+    canonical = written == text
+    if plan.how == "spaced" and not plan.call:
+        # A plain answer's content is kept as sampled: the spaces are canonical where
+        # the template writes the content as it is.
+        spaced = attrs.evolve(message, content=message.content + "  \n")
+        canonical = canonical_text(family, conversation[:1], spaced, tools)[0] == written
+    return written, stop, canonical
 
 
 @attrs.define(kw_only=True, eq=False)

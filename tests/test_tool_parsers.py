@@ -531,9 +531,9 @@ REASONING: list[tuple[str, str, bool, str | None, str]] = [
                 "<think>\nAdd 3 and 4.\n</think>\n\nIt is 14.",
                 False,
                 "Add 3 and 4.",
-                "\n\nIt is 14.",
+                "It is 14.",  # the newlines around the block are the template's
             ),
-            (fmt, "Add 3 and 4.\n</think>\n\nIt is 14.", True, "Add 3 and 4.", "\n\nIt is 14."),
+            (fmt, "Add 3 and 4.\n</think>\n\nIt is 14.", True, "Add 3 and 4.", "It is 14."),
             (fmt, "It is 14.", False, None, "It is 14."),
             # Cut inside the block: it runs to the end, nothing is content.
             (fmt, "<think>\nAdd 3 and", False, "Add 3 and", ""),

@@ -53,7 +53,9 @@ class ToolCall:
 @attrs.frozen(kw_only=True)
 class AssistantTurn:
     """One assistant turn parsed from its ids: the text outside tool calls and reasoning
-    (``content``, stripped), the tool calls in order, the reasoning if any, and
+    (``content``: stripped when there are tool calls, as sampled otherwise, so a plain
+    answer re-renders as the model wrote it), the tool calls in order, the reasoning if
+    any, and
     ``parse_error`` naming each call that could not be parsed (``None`` if all could;
     each call's own reason is on :attr:`ToolCall.parse_error`)."""
 
@@ -165,14 +167,16 @@ def refuse_assistant_messages(new_messages: Sequence[ChatMessage]) -> None:
 
 
 def assemble_turn(content: str, calls: Sequence[ToolCall], reasoning: str | None) -> AssistantTurn:
-    """The turn of a parse: each broken call named in ``parse_error``."""
+    """The turn of a parse: each broken call named in ``parse_error``; the content
+    stripped when the turn has tool calls (templates write their own separators around
+    calls), verbatim otherwise (templates write a plain answer as it is)."""
     errors = [
         f"tool call {index}: {call.parse_error}"
         for index, call in enumerate(calls)
         if call.parse_error is not None
     ]
     return AssistantTurn(
-        content=content,
+        content=content.strip() if calls else content,
         tool_calls=tuple(calls),
         reasoning=reasoning,
         parse_error="; ".join(errors) or None,

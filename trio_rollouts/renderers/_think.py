@@ -9,7 +9,7 @@ def split(
     """``(reasoning, rest)``: the block that opens the turn (or that the generation
     prompt opened, ``opened``), stripped of its tags; a block never closed (a cut turn)
     runs to the end. No block: ``(None, text)``. ``strip``: the newlines around the
-    reasoning are not part of it (templates write their own)."""
+    reasoning, and those opening the rest, are the template's (it writes its own)."""
     body = text
     if not opened:
         stripped = text.lstrip()
@@ -18,7 +18,7 @@ def split(
         body = stripped[len(start) :]
     reasoning, closed, rest = body.partition(end)
     if strip:
-        reasoning = reasoning.strip("\n")
+        reasoning, rest = reasoning.strip("\n"), rest.lstrip("\n")
     return reasoning, rest if closed else ""
 
 

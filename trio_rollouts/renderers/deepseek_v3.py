@@ -38,7 +38,7 @@ def _calls(text: str, read: str) -> tuple[str, list[ToolCall]]:
                 calls.append(broken(call_id, raw, "no <｜tool▁call▁end｜>", name or None))
             else:
                 calls.append(call_from_parts(call_id, raw, name, arguments))
-    return _SECTION.sub("", text).strip(), calls
+    return _SECTION.sub("", text), calls
 
 
 def parse(text: str) -> tuple[str, list[ToolCall]]:

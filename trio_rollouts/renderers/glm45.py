@@ -27,4 +27,4 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
         else:
             arguments = {key.strip(): loose_value(value) for key, value in _PAIR.findall(raw)}
             calls.append(ToolCall(id=call_id, name=name, arguments=arguments, raw=raw))
-    return _CALL.sub("", text).strip(), calls
+    return _CALL.sub("", text), calls

@@ -20,4 +20,4 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
         calls.append(
             call_from_json(call_id, raw) if closed else broken(call_id, raw, "no </tool_call>")
         )
-    return _CALL.sub("", text).strip(), calls
+    return _CALL.sub("", text), calls

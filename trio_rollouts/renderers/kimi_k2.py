@@ -30,4 +30,4 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
                 calls.append(broken(call_id, found.group(0), "no <|tool_call_end|>", name))
             else:
                 calls.append(call_from_parts(call_id, found.group(0), name, arguments))
-    return _SECTION.sub("", text).strip(), calls
+    return _SECTION.sub("", text), calls

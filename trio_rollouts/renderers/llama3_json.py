@@ -19,7 +19,7 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
     if tagged:
         body = body[len(_TAG) :].lstrip()
     if not body.startswith("{"):
-        return (body if tagged else text.strip()), []
+        return (body if tagged else text), []
     decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     position = 0

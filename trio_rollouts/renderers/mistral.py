@@ -22,14 +22,14 @@ _CALL_ID = "[CALL_ID]"
 def parse(text: str) -> tuple[str, list[ToolCall]]:
     content, found, rest = text.partition(_CALLS)
     if not found:
-        return text.strip(), []
+        return text, []
     calls: list[ToolCall] = []
     for chunk in rest.split(_CALLS):
         if chunk.lstrip().startswith("["):
             calls.extend(_json_list(chunk, len(calls)))
         else:
             calls.append(_named(chunk, len(calls)))
-    return content.strip(), calls
+    return content, calls
 
 
 def _json_list(chunk: str, first: int) -> list[ToolCall]:

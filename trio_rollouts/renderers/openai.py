@@ -71,4 +71,4 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
         target = recipient.group(1)
         name = target.removeprefix("functions.")
         calls.append(call_from_parts(f"call_{len(calls)}", body, name, body))
-    return "".join(content).strip(), calls
+    return "".join(content), calls

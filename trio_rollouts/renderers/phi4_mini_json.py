@@ -14,16 +14,16 @@ _MARK = "functools"
 def parse(text: str) -> tuple[str, list[ToolCall]]:
     content, found, rest = text.partition(_MARK)
     if not found or not rest.lstrip().startswith("["):
-        return text.strip(), []
+        return text, []
     items = json_items(rest)
     if items is None:
         try:
             json.loads(rest)
         except ValueError as error:
-            return content.strip(), [broken("call_0", rest, f"not JSON ({error})")]
-        return content.strip(), [broken("call_0", rest, "not a JSON list")]
+            return content, [broken("call_0", rest, f"not JSON ({error})")]
+        return content, [broken("call_0", rest, "not a JSON list")]
     calls = [
         call_from_object(f"call_{index}", raw, item, arguments_keys=("arguments", "parameters"))
         for index, (raw, item) in enumerate(items)
     ]
-    return content.strip(), calls
+    return content, calls

@@ -18,13 +18,13 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
         if body.startswith(start):
             body = body[len(start) :].removesuffix(end).strip()
     if not (body.startswith("[") and body.endswith("]")):
-        return text.strip(), []
+        return text, []
     try:
         tree = ast.parse(body, mode="eval").body
     except SyntaxError as error:
         return "", [broken("call_0", body, f"not a Python list of calls ({error.msg})")]
     if not isinstance(tree, ast.List) or not tree.elts:
-        return text.strip(), []
+        return text, []
     calls: list[ToolCall] = []
     for index, node in enumerate(tree.elts):
         call_id = f"call_{index}"

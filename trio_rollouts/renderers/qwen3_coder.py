@@ -40,4 +40,4 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
             calls.append(
                 ToolCall(id=call_id, name=function.group(1).strip(), arguments=arguments, raw=raw)
             )
-    return _CALL.sub("", text).strip(), calls
+    return _CALL.sub("", text), calls
