@@ -18,6 +18,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+#: ChatML's turn markers, so that a ChatML template (Qwen's, ``nox -s vllm``'s
+#: episodes-qwen2.5 check) renders in this vocabulary: two more special tokens, after the
+#: three above (whose ids, 256 to 258, do not move).
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 #: Every STOP_EVERY-th byte token ends a generation, as EOS does (see build()).
 STOP_EVERY = 8
 
@@ -40,10 +44,11 @@ CHAT_TEMPLATE = (
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per byte (256) plus three special tokens: every text round-trips."""
+    """One token per byte (256) plus five special tokens (``<|bos|>``, ``<|eos|>``,
+    ``<|pad|>``, ``<|im_start|>``, ``<|im_end|>``): every text round-trips."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
-    for special in (BOS, EOS, PAD):
+    for special in (BOS, EOS, PAD, IM_START, IM_END):
         vocab[special] = len(vocab)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -53,6 +58,7 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
         chat_template=CHAT_TEMPLATE,
     )
 
@@ -79,8 +85,10 @@ def build(out_dir: Path, *, seed: int = 0, heads: int = 4) -> Path:
     # A request without max_tokens (the CLI's default) may generate 1024 tokens on
     # `transformers serve`, and a random model samples EOS once in ~260 tokens. Every 8th
     # byte also ends a generation, so completions stay ~8 tokens long: a few seconds per
-    # command on a CPU instead of minutes.
-    stops = [tokenizer.eos_token_id, *range(0, STOP_EVERY * 32, STOP_EVERY)]
+    # command on a CPU instead of minutes. <|im_end|> ends one too, as it does a ChatML
+    # model's turn (the plain template's turns still end with <|eos|>).
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    stops = [tokenizer.eos_token_id, im_end, *range(0, STOP_EVERY * 32, STOP_EVERY)]
     model.generation_config.eos_token_id = stops
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -21,21 +21,31 @@ client:
   and a tool-message environment, with a ``keep`` update during the episodes: every turn
   is exact, every sampled id's logprob is the re-score's in its element's context, each
   turn ends with the end-of-turn id (sampled, or closed with mask 0 after a cut), and
-  every environment is closed.
+  every environment is closed;
+- **episodes-qwen2.5**: the same with a real published template, Qwen2.5's ChatML
+  (``tests/data/chat_templates/qwen2.5.jinja``, a calculator tool in its system block) on
+  the served tokenizer (``HFRenderer(tokenizer)``): besides the above, every turn's request
+  sent exactly the element's ids before the turn, the element up to each generation prompt
+  is the template's render of the structured conversation so far, and every break is
+  explained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import re
 import secrets
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import attrs
+import transformers
 import trio
 from run import PROBLEMS, CheckFailed, ToolReplies, check
 
@@ -381,6 +391,59 @@ def check_turn_ends(rollout: tr.TokenRollout, close: list[int], stops: set[int])
                 )
 
 
+async def stream_episodes(
+    agent: tr.MultiTurnAgent, interface: tr.OpenAIInference, max_tokens: int
+) -> tuple[list[tr.RolloutGroup], set[int]]:
+    """Six groups of four episodes, with a ``keep`` weight update after the first; check
+    that the ledger adds up. Returns the groups and the policy epochs of their turns."""
+    request = tr.GroupedRolloutRequest(
+        num_groups=2,
+        rollouts_per_group=4,
+        inference_interface=interface,
+        generation_args=tr.GenerationArgs(max_tokens=max_tokens),
+        streaming=True,
+    )
+    groups: list[tr.RolloutGroup] = []
+    async with agent.get_grouped_rollouts(request) as stream:
+        groups.append(await stream.receive())
+        async with stream.weight_update("keep"):
+            pass
+        # Groups that started after the update: their turns carry epoch 1.
+        groups += [await stream.receive() for _ in range(5)]
+        stats = stream.statistics()
+    check(stats.unaccounted == 0, f"the ledger does not add up: {stats}")
+    epochs: set[int] = set()
+    for group in groups:
+        for rollout in group:
+            for boundaries in rollout.policy_epoch:
+                epochs.update(epoch for _, epoch in boundaries)
+    check(epochs == {0, 1}, f"turns of epochs {sorted(epochs)}, not 0 and 1 (one keep update)")
+    return groups, epochs
+
+
+def exact_episode(rollout: object) -> tr.TokenRollout:
+    """The rollout, checked to be an exact episode with logprobs."""
+    if not isinstance(rollout, tr.TokenRollout) or rollout.logprobs is None:
+        raise CheckFailed(f"an episode without logprobs: {rollout!r:.200}")
+    check(rollout.fidelity == "exact", f"fidelity {rollout.fidelity}")
+    return rollout
+
+
+async def episode_logprob_gap(vllm: VLLM, rollout: tr.TokenRollout) -> float:
+    """The largest gap between a sampled id's logprob and vLLM's re-score of its element."""
+    worst = 0.0
+    for ids, mask, logprobs in zip(
+        rollout.trajectory, rollout.generation_mask or [], rollout.logprobs or [], strict=True
+    ):
+        scores = await in_thread(vllm.rescore, ids)
+        sampled = [score for score, m in zip(scores, mask, strict=True) if m]
+        check(len(sampled) == len(logprobs), "logprobs and mask disagree")
+        for mine, theirs in zip(logprobs, sampled, strict=True):
+            check(theirs is not None, "a sampled id at position 0")
+            worst = max(worst, abs(mine - (theirs or 0.0)))
+    return worst
+
+
 async def check_episodes(vllm: VLLM) -> str:
     renderer = tr.HFRenderer.from_pretrained(vllm.model)
     eos = renderer.tokenizer.eos_token_id
@@ -392,57 +455,302 @@ async def check_episodes(vllm: VLLM) -> str:
         max_turns=EPISODE_TURNS,
         parallel_generation_tasks=4,
     )
-    request = tr.GroupedRolloutRequest(
-        num_groups=2,
-        rollouts_per_group=4,
-        inference_interface=tr.OpenAIInference(vllm.base_url, vllm.model, server="vllm"),
-        generation_args=tr.GenerationArgs(max_tokens=6),
-        streaming=True,
-    )
     ToolReplies.made = ToolReplies.closed = 0
-    groups: list[tr.RolloutGroup] = []
-    async with agent.get_grouped_rollouts(request) as stream:
-        groups.append(await stream.receive())
-        async with stream.weight_update("keep"):
-            pass
-        # Groups that started after the update: their turns carry epoch 1.
-        groups += [await stream.receive() for _ in range(5)]
-        stats = stream.statistics()
-    check(stats.unaccounted == 0, f"the ledger does not add up: {stats}")
+    interface = tr.OpenAIInference(vllm.base_url, vllm.model, server="vllm")
+    groups, epochs = await stream_episodes(agent, interface, 6)
     made, closed = ToolReplies.made, ToolReplies.closed
     check(closed == made, f"{closed} environments closed of {made} made")
     worst = 0.0
     totals = dict.fromkeys(("turns", "breaks", "truncated_turns"), 0)
-    epochs: set[int] = set()
     for group in groups:
-        for rollout in group:
-            if not isinstance(rollout, tr.TokenRollout) or rollout.logprobs is None:
-                raise CheckFailed(f"an episode without logprobs: {rollout!r:.200}")
-            check(rollout.fidelity == "exact", f"fidelity {rollout.fidelity}")
+        for rollout in map(exact_episode, group):
+            worst = max(worst, await episode_logprob_gap(vllm, rollout))
             check_turn_ends(rollout, renderer.close_ids, set(renderer.stop_token_ids))
             for name in totals:
                 totals[name] += rollout.extra["episode"][name]
-            for ids, mask, logprobs, boundaries in zip(
-                rollout.trajectory,
-                rollout.generation_mask or [],
-                rollout.logprobs,
-                rollout.policy_epoch,
-                strict=True,
-            ):
-                epochs.update(epoch for _, epoch in boundaries)
-                scores = await in_thread(vllm.rescore, ids)
-                sampled = [score for score, m in zip(scores, mask, strict=True) if m]
-                check(len(sampled) == len(logprobs), "logprobs and mask disagree")
-                for mine, theirs in zip(logprobs, sampled, strict=True):
-                    check(theirs is not None, "a sampled id at position 0")
-                    worst = max(worst, abs(mine - (theirs or 0.0)))
     check(worst <= LOGPROB_TOLERANCE, f"a sampled id's logprob is {worst:.3g} off its re-score")
-    check(epochs == {0, 1}, f"turns of epochs {sorted(epochs)}, not 0 and 1 (one keep update)")
     return (
         f"{sum(len(g) for g in groups)} episodes, {totals['turns']} turns, all exact; "
         f"{totals['truncated_turns']} cut turns closed with <|eos|>, {totals['breaks']} "
         f"splits (turns the tiny model ended on a stop byte), epochs {sorted(epochs)}; "
         f"{ToolReplies.closed} environments closed; worst logprob gap {worst:.3g}"
+    )
+
+
+#: A real published chat template: Qwen2.5's ChatML, with the tools in its system block.
+QWEN_TEMPLATE = Path(__file__).parents[2] / "tests" / "data" / "chat_templates" / "qwen2.5.jinja"
+#: The one tool the episodes-qwen2.5 environment declares.
+CALCULATOR: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "such as 2 + 3"}},
+            "required": ["expression"],
+        },
+    },
+}
+#: max_tokens of a turn in episodes-qwen2.5: most turns are cut (then closed with
+#: <|im_end|>, mask 0).
+QWEN_MAX_TOKENS = 6
+
+
+def calculator_reply(number: int, turn: tr.AssistantTurn) -> tr.ChatMessage:
+    """The environment's answer to turn ``number``: a ``"tool"`` result for its first call,
+    or a user message when it made none."""
+    if turn.tool_calls:
+        call = turn.tool_calls[0].id
+        return tr.ChatMessage(role="tool", content=f"result {number}", extra={"tool_call_id": call})
+    return tr.ChatMessage(role="user", content=f"Use the calculator ({number}).")
+
+
+class CalculatorReplies(tr.BaseEnvironment):
+    """Declares the calculator tool and answers each turn with :func:`calculator_reply`;
+    done after ``turns`` turns. Counts the environments made and closed."""
+
+    tools: ClassVar[list[dict[str, Any]] | None] = [CALCULATOR]
+    made = 0
+    closed = 0
+
+    def __init__(self, problem: tr.Problem, *, turns: int) -> None:
+        super().__init__()
+        self.problem = problem
+        self.turns = turns
+        self.steps = 0
+        CalculatorReplies.made += 1
+
+    async def reset(self) -> list[tr.ChatMessage]:
+        await trio.lowlevel.checkpoint()
+        return [tr.ChatMessage(role="user", content=str(self.problem.prompt))]
+
+    async def step(self, turn: tr.AssistantTurn) -> tr.EnvironmentStep:
+        await trio.lowlevel.checkpoint()
+        self.steps += 1
+        if self.steps == self.turns:
+            return tr.EnvironmentStep(done=True, reward=1.0)
+        return tr.EnvironmentStep(messages=[calculator_reply(self.steps, turn)])
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+        CalculatorReplies.closed += 1
+
+
+class RecordingInference(tr.OpenAIInference):
+    """``OpenAIInference`` that notes each answered call: the prompt ids it sent and the
+    ids the server returned (prompt and sampled)."""
+
+    calls: ClassVar[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
+
+    async def agenerate(self, request: tr.InferenceRequest) -> tr.InferenceResponse:
+        response = await super().agenerate(request)
+        sent, got = tuple(request.prompt_ids or ()), tuple(response.token_ids or ())
+        RecordingInference.calls.append((sent, got))
+        return response
+
+
+def template_message(message: tr.ChatMessage) -> dict[str, Any]:
+    """A message as the template reads it (written here, not the library's conversion):
+    a call's arguments as the object they hold."""
+    data: dict[str, Any] = {**message.extra, "role": message.role, "content": message.content}
+    calls = []
+    for call in data.get("tool_calls", []):
+        function = dict(call["function"])
+        with contextlib.suppress(ValueError):
+            function["arguments"] = json.loads(function["arguments"])
+        calls.append({**call, "function": function})
+    if calls:
+        data["tool_calls"] = calls
+    return data
+
+
+def numbered(turn: tr.AssistantTurn, number: int) -> tr.AssistantTurn:
+    """Call ids a parser made up (``call_<index>``) as the episode numbers them
+    (``call_<turn>_<index>``)."""
+    calls = tuple(
+        attrs.evolve(call, id=f"call_{number}_{index}") if call.id == f"call_{index}" else call
+        for index, call in enumerate(turn.tool_calls)
+    )
+    return attrs.evolve(turn, tool_calls=calls)
+
+
+def sampled_runs(mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """The ``(start, end)`` of each stretch of sampled ids: one turn each."""
+    runs: list[tuple[int, int]] = []
+    for i, sampled in enumerate(mask):
+        if sampled and (i == 0 or not mask[i - 1]):
+            runs.append((i, i + 1))
+        elif sampled:
+            runs[-1] = (runs[-1][0], i + 1)
+    return runs
+
+
+@attrs.define
+class QwenTally:
+    """What check_episodes_qwen counts over all episodes."""
+
+    turns: int = 0
+    bridged: int = 0  # turns whose prompt was a bridge (not a first or full render)
+    bridged_same_ids: int = 0  # ... whose prefix also re-encodes to the same ids
+    cut: int = 0  # cut by max_tokens, <|im_end|> appended with mask 0
+    closed_sampled: int = 0  # ended on a sampled <|im_end|>
+    stop_byte: int = 0  # ended on one of the engine's stop bytes, bridged
+    splits: int = 0
+    split_eos: int = 0  # ... after a turn ended on <|eos|>
+    split_stripped: int = 0  # ... after a turn whose edge whitespace the parser stripped
+    tool_calls: int = 0
+
+
+def check_qwen_episode(
+    rollout: tr.TokenRollout,
+    tokenizer: Any,
+    renderer: tr.HFRenderer,
+    engine_stops: set[int],
+    tally: QwenTally,
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Rebuild the episode's structured conversation from its sampled ids and check each
+    element against the template's render; returns each turn's (prompt ids, ids through
+    the turn), the request it must have made."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.eos_token_id
+
+    def decode(ids: Sequence[int]) -> str:
+        text: str = tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return text
+
+    def template(conversation: list[tr.ChatMessage]) -> str:
+        text: str = tokenizer.apply_chat_template(
+            [template_message(message) for message in conversation],
+            tools=[CALCULATOR],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return text
+
+    prompts = {row["problem_id"]: row["prompt"] for row in PROBLEMS}
+    conversation = [tr.ChatMessage(role="user", content=prompts[rollout.problem_id])]
+    elements = list(zip(rollout.trajectory, rollout.generation_mask or [], strict=True))
+    turns = [(e, run) for e, (_, mask) in enumerate(elements) for run in sampled_runs(mask)]
+    episode = rollout.extra["episode"]
+    check(len(turns) == episode["turns"], f"{len(turns)} sampled runs, {episode['turns']} turns")
+    check(len(elements) == episode["breaks"] + 1, f"{len(elements)} elements, {episode}")
+    requests = []
+    cut_turns = 0
+    lossy = False  # a turn of the element so far whose ids its text does not give back
+    for number, (e, (start, end)) in enumerate(turns, 1):
+        ids, mask = elements[e]
+        if number > 1 and turns[number - 2][0] != e:
+            lossy = False
+        requests.append((tuple(ids[:start]), tuple(ids[:end])))
+        # The element up to the generation prompt: the template's render of the
+        # structured conversation so far (in text; in ids too unless it was bridged
+        # after bytes that are not UTF-8, which text cannot carry).
+        expected = template(conversation)
+        check(decode(ids[:start]) == expected, f"turn {number}: the prompt is not the render")
+        same_ids = list(ids[:start]) == tokenizer.encode(expected, add_special_tokens=False)
+        if number > 1 and turns[number - 2][0] == e:
+            tally.bridged += 1
+            tally.bridged_same_ids += same_ids
+            check(same_ids or lossy, f"turn {number}: the prompt is not the template's ids")
+        else:
+            check(same_ids, f"turn {number}: a first or full render is not the template's ids")
+        sampled = list(ids[start:end])
+        lossy |= tokenizer.encode(decode(sampled), add_special_tokens=False) != sampled
+        turn = numbered(renderer.parse(sampled), number)
+        tally.turns += 1
+        tally.tool_calls += len(turn.tool_calls)
+        conversation.append(turn.to_message())
+        if number == len(turns):
+            check(end == len(ids), "the last turn does not end its element")
+            break
+        conversation.append(calculator_reply(number, turn))
+        last = sampled[-1]
+        cut = len(sampled) == QWEN_MAX_TOKENS and last not in engine_stops
+        cut_turns += cut
+        if turns[number][0] == e:  # bridged: the turn ends with <|im_end|>
+            check(not mask[end], "two turns without a bridge between them")
+            if last == im_end:
+                tally.closed_sampled += 1
+            else:
+                # Appended (mask 0): the close after a cut, or the bridge's first id after
+                # a turn the engine stopped on a byte (the renderer's stops are <|im_end|>
+                # and <|eos|> only: the byte is content, the template closes the message).
+                check(ids[end] == im_end, f"turn {number} is followed by {ids[end : end + 3]}")
+                check(cut or last in engine_stops - {eos}, f"turn {number} ended on {last}")
+                tally.cut += cut
+                tally.stop_byte += not cut
+            continue
+        # A split: the turn's text (closed if it was cut) is not what the template writes.
+        tally.splits += 1
+        check(end == len(ids), f"turn {number} is followed by ids in its element")
+        closed = decode([*sampled, *([im_end] if cut else [])])
+        head = decode(ids[:start])
+        check(not template(conversation).startswith(head + closed), f"turn {number}: no break")
+        text = decode([token for token in sampled if token not in (im_end, eos)])
+        if last == eos:
+            tally.split_eos += 1  # the template writes <|im_end|>, not <|eos|>
+        elif text != turn.content and text.strip() == turn.content and not turn.tool_calls:
+            tally.split_stripped += 1
+        else:
+            raise CheckFailed(f"turn {number}: a break not explained: {sampled} {turn!r}")
+    check(cut_turns == episode["truncated_turns"], f"{cut_turns} cut turns, {episode}")
+    return requests
+
+
+async def check_episodes_qwen(vllm: VLLM) -> str:
+    """``MultiTurnAgent`` with Qwen2.5's real template on the served tokenizer, token-in."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(vllm.model)
+    tokenizer.chat_template = QWEN_TEMPLATE.read_text(encoding="utf-8")
+    renderer = tr.HFRenderer(tokenizer)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    check(renderer.close_ids == [im_end], f"close_ids {renderer.close_ids}, not [<|im_end|>]")
+    family = renderer.family
+    check(family is not None and family.tool_parser == "hermes", f"family {family}")
+    engine_stops = set(transformers.GenerationConfig.from_pretrained(vllm.model).eos_token_id)
+    check(im_end in engine_stops, "the served model does not stop on <|im_end|>")
+    agent = tr.MultiTurnAgent(
+        environment=functools.partial(CalculatorReplies, turns=EPISODE_TURNS),
+        renderer=renderer,
+        prompts=tr.PromptSource([tr.Problem(**row) for row in PROBLEMS], seed=0),
+        max_turns=EPISODE_TURNS,
+        parallel_generation_tasks=4,
+        on_break="split",
+    )
+    CalculatorReplies.made = CalculatorReplies.closed = 0
+    RecordingInference.calls = []
+    interface = RecordingInference(vllm.base_url, vllm.model, server="vllm")
+    groups, epochs = await stream_episodes(agent, interface, QWEN_MAX_TOKENS)
+    made, closed = CalculatorReplies.made, CalculatorReplies.closed
+    check(closed == made, f"{closed} environments closed of {made} made")
+    tally = QwenTally()
+    worst = 0.0
+    expected: Counter[tuple[tuple[int, ...], tuple[int, ...]]] = Counter()
+    breaks = 0
+    for group in groups:
+        for rollout in map(exact_episode, group):
+            worst = max(worst, await episode_logprob_gap(vllm, rollout))
+            breaks += rollout.extra["episode"]["breaks"]
+            expected.update(check_qwen_episode(rollout, tokenizer, renderer, engine_stops, tally))
+    check(worst <= LOGPROB_TOLERANCE, f"a sampled id's logprob is {worst:.3g} off its re-score")
+    check(breaks == tally.splits, f"{breaks} breaks counted, {tally.splits} splits seen")
+    # Every turn was one request, which sent exactly the element's ids before the turn
+    # and got them back followed by the turn's ids (calls of episodes cancelled when the
+    # stream closed are recorded too: they are not in any group).
+    missing = expected - Counter(RecordingInference.calls)
+    check(not missing, f"{sum(missing.values())} turns without their request")
+    return (
+        f"{sum(len(g) for g in groups)} episodes, {tally.turns} turns, all exact, each "
+        f"request the element so far; {tally.bridged} bridged turns, each prompt the "
+        f"template's render of the conversation ({tally.bridged_same_ids} also in ids, the "
+        f"others after bytes that are not UTF-8); {tally.cut} cut turns closed with "
+        f"<|im_end|>, {tally.stop_byte} ended on a stop byte (the bridge writes <|im_end|>), "
+        f"{tally.closed_sampled} on a sampled <|im_end|>; {tally.splits} breaks (after a "
+        f"turn ended on <|eos|>: {tally.split_eos}; after edge whitespace the parser "
+        f"strips: {tally.split_stripped}); {tally.tool_calls} tool calls; epochs "
+        f"{sorted(epochs)}; {closed} environments closed; worst logprob gap {worst:.3g}"
     )
 
 
@@ -454,6 +762,7 @@ async def run_library_checks(vllm: VLLM) -> None:
         ("abort", check_abort),
         ("stream", check_stream),
         ("episodes", check_episodes),
+        ("episodes-qwen2.5", check_episodes_qwen),
     ):
         with trio.fail_after(CHECK_TIMEOUT):
             print(f"{name}: {await run_check(vllm)}", flush=True)
