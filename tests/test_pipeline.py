@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import attrs
 import pytest
@@ -11,6 +12,7 @@ import trio.testing
 from _fakes import request
 
 import trio_rollouts as tr
+from trio_rollouts._concurrency import real_leaves
 from trio_rollouts.testing import NullChatInference, NullInference, ScriptedAgent, rollouts
 
 
@@ -427,8 +429,9 @@ async def test_groups_taken_before_a_failure_stay_taken(
     assert [g.batch_id for g in taken] == [0, 1]
 
 
-async def test_several_failures_raise_an_exception_group() -> None:
-    # Both calls wake from one event, so both raise before either can be cancelled.
+async def test_several_failures_at_once_raise_the_first_as_itself() -> None:
+    # Both calls wake from one event, so both raise before either can be cancelled: one
+    # bug, one exception type, the other failure named in a note and kept with it.
     go = trio.Event()
 
     async def script(agent: ScriptedAgent, req: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
@@ -437,11 +440,15 @@ async def test_several_failures_raise_an_exception_group() -> None:
         raise ValueError(f"call {n}")
 
     a = agent(script, parallel_generation_tasks=2)
-    with pytest.RaisesGroup(ValueError, ValueError):
+    with pytest.raises(ValueError, match=r"call [12]") as info:
         async with a.get_grouped_rollouts(request(num_groups=2)) as stream:
             await trio.testing.wait_all_tasks_blocked()
             go.set()
             await stream.receive()
+    (note,) = info.value.__notes__
+    assert re.fullmatch(r"1 other failure\(s\) at the same time: ValueError: call [12]", note)
+    assert note[-1] != str(info.value)[-1]  # the other call's, not this one's
+    assert len(real_leaves(info.value)) == 2
 
 
 async def test_a_nested_single_failure_is_flattened(autojump_clock: trio.testing.MockClock) -> None:

@@ -1,9 +1,11 @@
 """Small structured-concurrency building blocks shared by the agents and the pipeline.
 
 Trio's strict exception groups nest one group per nursery. At the library's public
-boundary we flatten them: when one real failure happened, the caller gets that exception
-itself (so ``except ValueError`` works), with its traceback; only several independent
-failures stay an ``ExceptionGroup``.
+boundary we flatten them: the caller gets one failure as itself (so ``except ValueError``
+works), with its traceback. When several failed at once (the same bug in every episode of
+a group, every group of a batch), the first is raised, the others are named in a note on
+it and kept with it (:func:`real_leaves` returns them too, so the failure policy still
+classifies by all of them): one bug, one exception type, run after run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import trio
 
 __all__ = [
     "describe_error",
+    "first_of",
     "flatten_exception_groups",
     "gather",
     "gather_bounded",
@@ -24,14 +27,34 @@ __all__ = [
 
 T = TypeVar("T")
 
+#: The attribute where a failure raised for several keeps the others.
+_ALSO = "_trio_rollouts_also"
+#: How many of the other failures the note on the raised one names.
+_NOTE_NAMES = 5
+
 
 def real_leaves(exc: BaseException) -> list[BaseException]:
     """The failures inside ``exc``: the leaves of its exception groups, however deeply
-    nested (``exc`` itself when it is not a group), without ``trio.Cancelled`` leaves,
-    which are consequences of a failure or of a shutdown, never failures themselves."""
+    nested (``exc`` itself when it is not a group), and the failures raised with it at
+    the same time (see :func:`flatten_exception_groups`), without ``trio.Cancelled``
+    leaves, which are consequences of a failure or of a shutdown, never failures."""
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for sub in exc.exceptions for leaf in real_leaves(sub)]
-    return [] if isinstance(exc, trio.Cancelled) else [exc]
+    if isinstance(exc, trio.Cancelled):
+        return []
+    also: tuple[BaseException, ...] = getattr(exc, _ALSO, ())
+    return [exc, *(leaf for other in also for leaf in real_leaves(other))]
+
+
+def first_of(failures: Sequence[BaseException]) -> BaseException:
+    """``failures[0]``, with a note naming the others and the others kept with it."""
+    first, others = failures[0], list(failures[1:])
+    if others:
+        names = "; ".join(_one(other) for other in others[:_NOTE_NAMES])
+        more = f"; and {len(others) - _NOTE_NAMES} more" if len(others) > _NOTE_NAMES else ""
+        first.add_note(f"{len(others)} other failure(s) at the same time: {names}{more}")
+        setattr(first, _ALSO, (*getattr(first, _ALSO, ()), *others))
+    return first
 
 
 def describe_error(exc: BaseException) -> str:
@@ -94,13 +117,17 @@ def _collapse(
         return real[0]
     if not real:
         return leaves[0]
-    return BaseExceptionGroup("several rollout tasks failed", real)
+    # Several at once: the caller's own exception if there is one, else the first.
+    own = [exc for exc in real if any(exc is k for k in keep)]
+    return first_of([*own, *(exc for exc in real if exc not in own)])
 
 
 @contextlib.contextmanager
 def flatten_exception_groups(keep: Sequence[BaseException] = ()) -> Iterator[None]:
-    """Re-raise an exception group that holds one real failure as that failure.
+    """Re-raise an exception group as the one failure inside it.
 
+    Several failures at once leave as the first (the caller's own, from ``keep``, before
+    the library's), with the others named in a note and kept for :func:`real_leaves`.
     Groups in ``keep`` (compared by identity, read when the group arrives) are the
     caller's own exceptions and stay whole.
     """

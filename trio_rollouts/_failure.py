@@ -122,9 +122,8 @@ class FailurePolicy:
         an exception group (an agent that samples in its own nursery raises one) whose
         every leaf, at any depth, is one of ``retry_on`` or ``trio.Cancelled``, with at
         least one that is not ``Cancelled``. A group mixing a transient and another
-        error is not transient."""
-        if not isinstance(exc, BaseExceptionGroup):
-            return isinstance(exc, self.retry_on)
+        error is not transient, and neither is a failure raised for several at once
+        (the first, the others in its note) unless every one of them is."""
         leaves = real_leaves(exc)
         return bool(leaves) and all(isinstance(leaf, self.retry_on) for leaf in leaves)
 
