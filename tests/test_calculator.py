@@ -328,7 +328,9 @@ async def test_an_episode_calls_the_calculator_and_answers_with_its_result(
         assert sum(mask) == len(first) + len("The answer is 42.")
         assert rollout.reward == 1.0
         assert rollout.problem_id == "p"
-        assert rollout.extra["episode"] == {
+        record = dict(rollout.extra["episode"])
+        per_turn = record.pop("per_turn")
+        assert record == {
             "turns": 2,
             "finish": "done",
             "breaks": 0,
@@ -336,6 +338,18 @@ async def test_an_episode_calls_the_calculator_and_answers_with_its_result(
             "parse_errors": 0,
             "truncated_turns": 0,
         }
+        # The calls are kept with their turn: id, name, arguments, error.
+        assert [t["tool_calls"] for t in per_turn] == [
+            [
+                {
+                    "id": "call_1_0",
+                    "name": "calculator",
+                    "arguments": {"expression": "17 + 25"},
+                    "error": None,
+                }
+            ],
+            [],
+        ]
 
 
 async def test_a_bad_call_is_seen_by_the_model_and_the_episode_goes_on(

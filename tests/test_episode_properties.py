@@ -30,6 +30,7 @@ observations are recorded as the run goes and judged afterwards against DESIGN.m
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
@@ -158,6 +159,8 @@ class Scenario:
     cancel_after: float | None
 
     def can_fail(self) -> bool:
+        if self.max_episode_tokens is not None and self.max_episode_tokens <= first_render_max():
+            return True  # a budget at or below a first render is a ValueError
         for script in self.scripts:
             for turn in script.turns:
                 if turn.raises:
@@ -253,7 +256,9 @@ def scenarios(
         rollouts_per_group=draw(st.integers(1, 3)),
         buffer_size=draw(st.integers(0, 2)),
         max_turns=draw(st.integers(1, 5)),
-        max_episode_tokens=draw(st.one_of(st.none(), st.integers(30, 320))),
+        max_episode_tokens=draw(
+            st.one_of(st.none(), st.integers(30 if failures else first_render_max() + 1, 320))
+        ),
         gen_max_tokens=draw(st.one_of(st.none(), st.integers(1, 40))),
         close=draw(st.sampled_from(["", "<|end|>"])),
         on_break=draw(st.sampled_from(["split", "split", "raise"])) if failures else "split",
@@ -286,6 +291,17 @@ def reset_messages(n: int, problem: tr.Problem) -> list[ChatMessage]:
         ChatMessage(role="system", content=f"ep{n}"),
         ChatMessage(role="user", content=problem.prompt),
     ]
+
+
+@functools.cache
+def first_render_max() -> int:
+    """The longest first render a scenario can have (up to 10**4 environments made): a
+    max_episode_tokens at or below it may be a ValueError."""
+    return max(
+        len(plain_text(reset_messages(9999, problem), tools))
+        for problem in problems()
+        for tools in TOOLSETS
+    )
 
 
 @attrs.define(eq=False)
@@ -520,6 +536,8 @@ def expected_episode(sc: Scenario, script: Script, reset: list[ChatMessage]) -> 
     env_tools = tools
     conversation = list(reset)
     first = PLAIN.encode(plain_text(reset, tools))
+    if budget is not None and len(first) >= budget:
+        return Expected(failure="ValueError")  # no room for a turn: refused, loudly
     elements, masks = [first], [[False] * len(first)]
     turns = breaks = tool_calls = parse_errors = truncated = 0
     canonical = rewritten = 0
@@ -771,7 +789,18 @@ def check_rollout(out: Outcome, group: tr.RolloutGroup, rollout: tr.TokenRollout
     assert expect.failure is None, f"{where}: delivered, but its script fails: {expect.failure}"
 
     # The episode is the one the contract predicts.
-    assert rollout.extra["episode"] == expect.episode, where
+    record = dict(rollout.extra["episode"])
+    per_turn = record.pop("per_turn")
+    assert record == expect.episode, where
+    # One record per turn: its span is exactly the turn's sampled ids.
+    assert rollout.generation_mask is not None
+    spans = [
+        (i, start, end)
+        for i, mask in enumerate(rollout.generation_mask)
+        for start, end in sampled_runs(mask)
+    ]
+    assert [(t["element"], t["start"], t["end"]) for t in per_turn] == spans, where
+    assert sum(len(t["tool_calls"]) for t in per_turn) == expect.episode["tool_calls"], where
     assert [PLAIN.decode(ids) for ids in rollout.trajectory] == [
         PLAIN.decode(ids) for ids in expect.elements
     ], where
@@ -860,7 +889,13 @@ def check(out: Outcome) -> None:
     if out.error is not None:
         # Episodes failing at the same instant (before a sibling's cancellation lands)
         # are an ExceptionGroup of them, as any simultaneous failures of a group.
-        allowed = (Boom, tr.StepTimeoutError, tr.TemplateBreakError, tr.FailureBudgetExceededError)
+        allowed = (
+            Boom,
+            tr.StepTimeoutError,
+            tr.TemplateBreakError,
+            tr.FailureBudgetExceededError,
+            ValueError,  # max_episode_tokens at or below the first render
+        )
         # The consumer's own exception comes out with the group's failure when both happen
         # at the same instant, as the pipeline says (an ExceptionGroup of the two).
         leaves = [leaf for leaf in leaves_of(out.error) if not isinstance(leaf, ConsumerError)]
@@ -1030,7 +1065,9 @@ def test_a_break_with_no_room_left_for_a_turn_is_not_a_break(on_break: str) -> N
         check(out)
         assert out.error is None
         [rollout] = out.delivered[0]
-        assert rollout.extra["episode"] == {
+        record = dict(rollout.extra["episode"])
+        assert len(record.pop("per_turn")) == 1
+        assert record == {
             "turns": 1, "finish": "max_tokens", "breaks": 0, "tool_calls": 0,
             "parse_errors": 0, "truncated_turns": 0,
         }  # fmt: skip

@@ -4,6 +4,7 @@ episodes are in ``test_episode_properties.py``)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -183,7 +184,9 @@ async def test_an_episode_is_one_token_stream_with_the_sampled_ids_masked_in(
     assert math.isclose(sum(rollout.logprobs[0][:5]), 0.0, abs_tol=1e-12)  # p = 1
     assert rollout.reward == 0.75
     assert rollout.fidelity == "exact"
-    assert rollout.extra["episode"] == {
+    record = dict(rollout.extra["episode"])
+    per_turn = record.pop("per_turn")
+    assert record == {
         "turns": 2,
         "finish": "done",
         "breaks": 0,
@@ -191,6 +194,25 @@ async def test_an_episode_is_one_token_stream_with_the_sampled_ids_masked_in(
         "parse_errors": 0,
         "truncated_turns": 0,
     }
+    # One record per turn: its span in the element, how it ended, its calls, the step's.
+    first = len(f"<|user|>\n{problem.prompt}\n<|assistant|>\n")
+    second = first + len("first\n<|user|>\nreply 1\n<|assistant|>\n")
+    assert per_turn == [
+        {
+            "element": 0,
+            "start": start,
+            "end": start + len(text),
+            "finish_reason": "stop",
+            "tool_calls": [],
+            "reward": None,  # the done step's reward is the episode's
+            "info": {},
+        }
+        for start, text in ((first, "first"), (second, "second"))
+    ]
+    assert [R.decode(rollout.trajectory[0][t["start"] : t["end"]]) for t in per_turn] == [
+        "first",
+        "second",
+    ]
     assert rollout.policy_epoch == [[(0, 0)]]
     assert other.problem_id == rollout.problem_id
     # Every environment made was closed once, after its episode.
@@ -793,11 +815,18 @@ async def test_an_aclose_error_is_raised_noted_or_warned_by_route(
     with pytest.raises(KeyError) as caught:
         await one_group(bad_close_agent(fail_on=1), request(embedded("x"), group=1))
     assert any("would not stop" in note for note in caught.value.__notes__)
-    # The episode was cancelled: a warning, since a note would vanish with the Cancelled.
+    # The episode was cancelled: a warning, since a note would vanish with the Cancelled;
+    # one for the group, however many of its episodes were cancelled.
     agent = bad_close_agent(step_seconds=100.0)
-    with pytest.warns(RuntimeWarning, match="an episode was cancelled, then BadClose"):
+    with pytest.warns(RuntimeWarning) as warned:
         with trio.move_on_after(1):
-            await one_group(agent, request(embedded("x"), group=1))
+            await one_group(agent, request(embedded("x"), group=3))
+    (warning,) = warned
+    assert re.match(
+        r"3 episode\(s\) of problem '.*' were cancelled and then their environment's "
+        r"aclose\(\) raised; the first: BadClose.aclose\(\) raised OSError",
+        str(warning.message),
+    )
 
 
 def test_episodes_through_the_sync_bridge_close_every_environment() -> None:

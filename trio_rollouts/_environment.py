@@ -11,6 +11,7 @@ route). :class:`BaseEnvironment` supplies the defaults. The agent that runs epis
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -51,13 +52,41 @@ def checked_messages(value: object, where: str) -> list[ChatMessage]:
         raise TypeError(msg)
     for i, message in enumerate(value):
         if not isinstance(message, ChatMessage):
-            msg = f"{where}[{i}] must be a ChatMessage, got {type(message).__name__}"
+            hint = (
+                ": build it as trio_rollouts.ChatMessage(role=..., content=...), extra keys "
+                "such as tool_call_id in extra={...}"
+                if isinstance(message, dict)
+                else ""
+            )
+            msg = (
+                f"{where}[{i}] must be a ChatMessage, got {type(message).__name__} "
+                f"{message!r:.60}{hint}"
+            )
             raise TypeError(msg)
     return list(value)
 
 
 def _messages(value: object) -> tuple[ChatMessage, ...]:
-    return tuple(checked_messages(value, "messages"))
+    messages = tuple(checked_messages(value, "messages"))
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            msg = (
+                f"messages[{i}] is an assistant message: an environment answers the model's "
+                "turns, it does not write them (send a 'user' or 'tool' message)"
+            )
+            raise ValueError(msg)
+    return messages
+
+
+def _check_info(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        msg = f"info must be a dict with str keys (JSON-ready), got {value!r:.80}"
+        raise TypeError(msg)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as error:
+        msg = f"info must be JSON-ready (it is kept in the rollout's record): {error}"
+        raise TypeError(msg) from error
 
 
 def _check_done(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -84,11 +113,20 @@ class EnvironmentStep:
     - ``done``: whether the episode ends here; then ``reward`` (a finite number) is
       required (``ValueError`` at construction otherwise), and it wins over the agent's
       limits (``max_turns``, ``max_episode_tokens``).
+    - ``reward`` on a step that is not done: a per-step reward, kept in the rollout's
+      record (``extra["episode"]["per_turn"][i]["reward"]``); the episode's reward stays
+      the final one.
+    - ``info``: anything JSON-ready the environment wants kept with the turn
+      (``extra["episode"]["per_turn"][i]["info"]``): test results, the tool's exit code.
+
+    An assistant message in ``messages`` is a ``ValueError``, a message that is not a
+    :class:`~trio_rollouts.ChatMessage` a ``TypeError``, both naming its index.
     """
 
     messages: tuple[ChatMessage, ...] = attrs.field(default=(), converter=_messages)
     done: bool = attrs.field(default=False, validator=_check_done)
     reward: float | None = attrs.field(default=None, validator=_check_step_reward)
+    info: dict[str, Any] = attrs.field(factory=dict, validator=_check_info)
 
 
 @runtime_checkable

@@ -268,6 +268,11 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     environment_concurrency: int | None = attrs.field(
         default=None, validator=_optional_int_at_least(1)
     )
+    #: At most this many environments alive at once across the agent (``None``: no
+    #: bound), each counted from the factory call until its ``aclose`` has returned:
+    #: sandboxes held while the model generates count. An episode waits for one before
+    #: its environment is made; the wait counts against no deadline of the episode's.
+    live_environments: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     #: What a template break does: ``"split"`` (a new trajectory element from a full
     #: render) or ``"raise"`` (:class:`TemplateBreakError`).
     on_break: Literal["split", "raise"] = attrs.field(default="split", validator=_check_on_break)
@@ -277,8 +282,10 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
     # Whether renderer.bridge takes the conversation at hand (messages=).
     _bridge_takes_messages: bool = attrs.field(init=False, default=False, repr=False)
-    # The environment_concurrency limiter of the current Trio run, and that run.
+    # The environment_concurrency and live_environments limiters of the current Trio
+    # run, and that run.
     _limiter: trio.CapacityLimiter | None = attrs.field(init=False, default=None, repr=False)
+    _live: trio.CapacityLimiter | None = attrs.field(init=False, default=None, repr=False)
     _limiter_run: object = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -306,9 +313,9 @@ class MultiTurnAgent(GroupedRolloutGenerator):
 
         Raises :class:`TokenFidelityError` before any work when the backend cannot give
         ``min_fidelity``. The first failing episode cancels the others and is raised as
-        itself (an ``ExceptionGroup`` only when several fail before the cancellation
-        reaches them, such as two steps past ``step_timeout`` at the same instant; the
-        failure policy classifies a group by its leaves).
+        itself, with a note naming the problem, the episode and the turn; episodes that
+        failed at the same instant (the same bug in each) are named in a note on it and
+        kept with it, so the failure policy classifies the group by all of them.
 
         Cancellation: cancels every model call and environment step; returns (or
         raises) only when every episode has ended and every environment was closed.
@@ -332,18 +339,36 @@ class MultiTurnAgent(GroupedRolloutGenerator):
             else:
                 start_epoch = 0
         episode = _Episode(self, problem, request, start_epoch, fidelity)
-        return await gather([episode.run] * request.rollouts_per_group)
+        try:
+            return await gather(
+                [
+                    functools.partial(episode.run, member)
+                    for member in range(request.rollouts_per_group)
+                ]
+            )
+        finally:
+            episode.warn_closes_that_failed()
 
     def _environment_limiter(self) -> trio.CapacityLimiter | None:
         """The limiter of ``environment_concurrency`` for the current Trio run (a new
         one per run: the sync bridge and Ray run the agent in runs of their own)."""
-        if self.environment_concurrency is None:
-            return None
-        run = trio.lowlevel.current_root_task()
-        if self._limiter is None or self._limiter_run is not run:
-            self._limiter = trio.CapacityLimiter(self.environment_concurrency)
-            self._limiter_run = run
+        self._limiters_of_this_run()
         return self._limiter
+
+    def _live_limiter(self) -> trio.CapacityLimiter | None:
+        """The limiter of ``live_environments`` for the current Trio run."""
+        self._limiters_of_this_run()
+        return self._live
+
+    def _limiters_of_this_run(self) -> None:
+        run = trio.lowlevel.current_root_task()
+        if self._limiter_run is not run:
+            self._limiter_run = run
+            self._limiter = self._live = None
+            if self.environment_concurrency is not None:
+                self._limiter = trio.CapacityLimiter(self.environment_concurrency)
+            if self.live_environments is not None:
+                self._live = trio.CapacityLimiter(self.live_environments)
 
 
 @attrs.define(eq=False)
@@ -357,10 +382,36 @@ class _Episode:
     #: What the backend's markers promise for every turn (a turn may still come back
     #: less faithful: see ``_Run.generate``).
     fidelity: str
+    #: What aclose() raised in episodes cancelled by a sibling's failure or a shutdown:
+    #: one warning for the group, not one per episode.
+    closes_that_failed: list[str] = attrs.field(factory=list)
 
-    async def run(self) -> TokenRollout:
-        """One episode: make its environment, run it, close it on every route."""
-        env = self.agent.environment(self.problem)
+    def warn_closes_that_failed(self) -> None:
+        if self.closes_that_failed:
+            count, first = len(self.closes_that_failed), self.closes_that_failed[0]
+            msg = (
+                f"{count} episode(s) of problem {self.problem.problem_id!r} were cancelled "
+                f"and then their environment's aclose() raised; the first: {first}"
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    async def run(self, member: int) -> TokenRollout:
+        """One episode: wait for a live environment (``live_environments``), make the
+        environment, run it, close it on every route; an error gets a note naming the
+        problem, the episode and where it happened."""
+        limiter = self.agent._live_limiter()
+        if limiter is None:
+            return await self.live(member)
+        async with limiter:
+            return await self.live(member)
+
+    async def live(self, member: int) -> TokenRollout:
+        where = "making its environment"
+        try:
+            env = self.agent.environment(self.problem)
+        except Exception as exc:
+            exc.add_note(self.note(member, where))
+            raise
         # A BaseEnvironment needs no look; for anything else, a plain attribute check
         # rather than isinstance(env, Environment), a runtime protocol check that costs
         # as much as the rest of a one-turn episode's bookkeeping.
@@ -373,36 +424,49 @@ class _Episode:
                     f"{', '.join(missing)} (subclass BaseEnvironment)"
                 )
                 raise TypeError(msg)
+        run = _Run(self, env)
         try:
-            rollout = await _Run(self, env).episode()
+            rollout = await run.episode()
         except BaseException as exc:
-            await _close(env, exc)
+            if isinstance(exc, Exception):
+                exc.add_note(self.note(member, run.where))
+            await self.close(env, exc)
             raise
-        await _close(env, None)
+        try:
+            await self.close(env, None)
+        except Exception as exc:
+            exc.add_note(self.note(member, "closing its environment"))
+            raise
         return rollout
 
-
-async def _close(env: Environment, failure: BaseException | None) -> None:
-    """``env.aclose()``, shielded and bounded by :data:`ACLOSE_SECONDS`. Its own error is
-    raised when the episode succeeded, and noted on the episode's error otherwise."""
-    with trio.move_on_after(ACLOSE_SECONDS, shield=True) as scope:
-        try:
-            await env.aclose()
-        except Exception as error:
-            if failure is None:
-                raise
-            message = f"then {type(env).__name__}.aclose() raised {error!r}"
-            if real_leaves(failure):
-                failure.add_note(message)
-            else:
-                # A cancellation's note would vanish with it when its scope catches it.
-                warnings.warn(f"an episode was cancelled, {message}", RuntimeWarning, stacklevel=2)
-    if scope.cancelled_caught:
-        msg = (
-            f"{type(env).__name__}.aclose() did not finish within {ACLOSE_SECONDS} s and "
-            "was cancelled; what it holds may not have been released"
+    def note(self, member: int, where: str) -> str:
+        return (
+            f"in episode {member} of {self.request.rollouts_per_group} of problem "
+            f"{self.problem.problem_id!r}, {where}"
         )
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    async def close(self, env: Environment, failure: BaseException | None) -> None:
+        """``env.aclose()``, shielded and bounded by :data:`ACLOSE_SECONDS`. Its own
+        error is raised when the episode succeeded, noted on the episode's error when
+        it failed, and warned of once per group when it was cancelled."""
+        with trio.move_on_after(ACLOSE_SECONDS, shield=True) as scope:
+            try:
+                await env.aclose()
+            except Exception as error:
+                if failure is None:
+                    raise
+                message = f"{type(env).__name__}.aclose() raised {error!r}"
+                if real_leaves(failure):
+                    failure.add_note(f"then {message}")
+                else:
+                    # A cancellation's note would vanish with it when its scope catches it.
+                    self.closes_that_failed.append(message)
+        if scope.cancelled_caught:
+            msg = (
+                f"{type(env).__name__}.aclose() did not finish within {ACLOSE_SECONDS} s "
+                "and was cancelled; what it holds may not have been released"
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
 
 @attrs.define(eq=False)
@@ -420,6 +484,10 @@ class _Run:
     tool_calls: int = 0
     parse_errors: int = 0
     truncated_turns: int = 0
+    #: Where the episode is (for the note on an error).
+    where: str = "in reset()"
+    #: One record per assistant turn (``extra["episode"]["per_turn"]``).
+    per_turn: list[dict[str, Any]] = attrs.field(factory=list)
 
     async def episode(self) -> TokenRollout:
         agent = self.shared.agent
@@ -430,7 +498,16 @@ class _Run:
         messages = checked_messages(await self.limited(self.env.reset), "reset()")
         self.conversation = list(messages)
         self.tools = self.env.tools
-        self.elements.append(_Element.scaffold(renderer.render(messages, tools=self.tools)))
+        self.where = "rendering reset()'s messages"
+        first = renderer.render(messages, tools=self.tools)
+        if budget is not None and len(first) >= budget:
+            msg = (
+                f"max_episode_tokens={budget} leaves no room for a turn: the first render "
+                f"of problem {self.shared.problem.problem_id!r} is {len(first)} ids (it must "
+                "be more than that)"
+            )
+            raise ValueError(msg)
+        self.elements.append(_Element.scaffold(first))
         finish: str
         reward: float | None = None
         while True:
@@ -438,12 +515,18 @@ class _Run:
             if budget is not None and budget - len(element.ids) < 1:
                 finish = "max_tokens"
                 break
+            self.where = f"turn {self.turns + 1}, generating"
             response, sampled, kind = await self.generate(interface, element, budget)
             self.turns += 1
+            start = len(self.elements[-1].ids) - len(sampled)
+            self.where = f"turn {self.turns}, parsing"
             turn = _numbered(renderer, renderer.parse(sampled), self.turns)
             self.tool_calls += len(turn.tool_calls)
             self.parse_errors += turn.parse_error is not None
+            self.where = f"turn {self.turns}, in step()"
             step = await self.step(turn)
+            self.record(turn, response, start, step)
+            self.where = f"turn {self.turns}, bridging to the next"
             if step.done:
                 finish, reward = "done", step.reward
                 break
@@ -458,8 +541,33 @@ class _Run:
                 finish = "max_tokens"
                 break
         if reward is None:
+            self.where = "in final_reward()"
             reward = check_reward(await self.env.final_reward(), "final_reward()")
         return self.rollout(float(reward), finish)
+
+    def record(
+        self, turn: AssistantTurn, response: InferenceResponse, start: int, step: EnvironmentStep
+    ) -> None:
+        """The turn's entry in ``extra["episode"]["per_turn"]``."""
+        self.per_turn.append(
+            {
+                "element": len(self.elements) - 1,
+                "start": start,
+                "end": len(self.elements[-1].ids),
+                "finish_reason": response.finish_reason,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "name": call.name,
+                        "arguments": call.arguments,
+                        "error": call.parse_error,
+                    }
+                    for call in turn.tool_calls
+                ],
+                "reward": None if step.done else step.reward,
+                "info": step.info,
+            }
+        )
 
     async def generate(
         self, interface: InferenceInterface, element: _Element, budget: int | None
@@ -667,6 +775,7 @@ class _Run:
                     "tool_calls": self.tool_calls,
                     "parse_errors": self.parse_errors,
                     "truncated_turns": self.truncated_turns,
+                    "per_turn": self.per_turn,
                 }
             },
         )
