@@ -53,6 +53,7 @@ from ._multitask import WeightedTask as WeightedTask
 from ._prompts import PromptSource as PromptSource
 from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
 from ._stream import RolloutStream as RolloutStream
+from ._training import TrainingBatch as TrainingBatch
 from ._weight_update import WeightUpdate as WeightUpdate
 from .inference import TRANSIENT_ERRORS as TRANSIENT_ERRORS
 from .inference import AcceptsTokens as AcceptsTokens
