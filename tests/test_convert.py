@@ -657,7 +657,24 @@ def test_swapped_arguments_are_a_clear_type_error(tmp_path: Path) -> None:
         dump_jsonl(path, rollouts(1))  # type: ignore[arg-type]
     assert not path.exists()
     with pytest.raises(TypeError, match=r"the arguments look swapped: the file comes first"):
-        load_jsonl(Rollout, path)  # type: ignore[arg-type]
+        load_jsonl(Rollout, path)  # type: ignore[call-overload]
+
+
+def test_a_missing_cls_is_a_type_error_that_says_what_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "rollouts.jsonl"
+    dump_jsonl(rollouts(1), path)
+    for file in (path, io.StringIO(path.read_text(encoding="utf-8"))):
+        with pytest.raises(TypeError) as e:
+            load_jsonl(file)  # type: ignore[call-overload]
+        message = str(e.value)
+        assert "needs cls, the class each line is read as" in message
+        assert "load_jsonl(f, tr.RolloutGroup)" in message
+        assert "load_jsonl(f, tr.Rollout | tr.TokenRollout)" in message
+    # The examples it names work.
+    assert list(load_jsonl(path, Rollout | TokenRollout)) == rollouts(1)
+    # A class alone is still the swapped-arguments error, not the missing-cls one.
+    with pytest.raises(TypeError, match=r"needs a path or an open text file first"):
+        load_jsonl(Rollout)  # type: ignore[call-overload]
 
 
 def test_an_empty_file_is_zero_records(tmp_path: Path) -> None:

@@ -160,6 +160,36 @@ def test_demo_task_tool_shows_the_curve_rising() -> None:
     assert float(rows[-1][4]) == accuracy[1]
 
 
+def test_the_summary_quotes_values_the_table_shows() -> None:
+    # 16 steps: a row every 2 steps, and one for step 1, which the summary quotes.
+    result = invoke("demo", *SMALL_TOOL, "--steps", "16")
+    assert result.exit_code == 0, result.output
+    start = re.search(r"^\s+0\s+-\s+-\s+([\d.]+)\s+([\d.]+)\s*$", result.stderr, re.M)
+    assert start, result.stderr
+    rows = {
+        int(row[0]): row[1:]
+        for row in re.findall(
+            r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\d+\s*$",
+            result.stderr,
+            re.M,
+        )
+    }
+    assert list(rows) == [1, 2, 4, 6, 8, 10, 12, 14, 16]
+    first, last = rows[1], rows[16]
+    # Each summary pair, as printed, and the table's cells it comes from.
+    quoted = {
+        "tool-call rate (policy)": (start[1], last[2]),
+        "accuracy (policy)": (start[2], last[3]),
+        "tool-call rate seen (step 1 -> last)": (first[1], last[1]),
+        "mean reward (step 1 -> last)": (first[0], last[0]),
+        "mean turns (step 1 -> last)": (first[4], last[4]),
+    }
+    for label, cells in quoted.items():
+        found = re.search(rf"{re.escape(label)}\s*│\s*([\d.]+) -> ([\d.]+)", result.stdout)
+        assert found, result.stdout
+        assert (found[1], found[2]) == cells, label
+
+
 def test_demo_task_tool_is_reproducible_for_a_seed() -> None:
     runs = [invoke("demo", *SMALL_TOOL, "--steps", "3", "--seed", "5") for _ in range(2)]
     tables = [re.sub(r"[\d.]+ s wall", "", run.stdout) for run in runs]

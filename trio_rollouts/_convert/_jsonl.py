@@ -19,6 +19,17 @@ _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _PathOrFile = str | os.PathLike[str] | IO[str]
 
 
+class _Missing:
+    """The default of ``load_jsonl``'s ``cls``, so that leaving it out is an error that
+    says what it is rather than Python's bare "missing argument"."""
+
+    def __repr__(self) -> str:
+        return "<cls not given>"
+
+
+_MISSING: Any = _Missing()
+
+
 def _is_path(value: object) -> bool:
     return isinstance(value, (str, os.PathLike))
 
@@ -66,7 +77,7 @@ def _write_lines(objs: Iterable[object], file: IO[str]) -> int:
 def load_jsonl(path_or_file: _PathOrFile, cls: type[T]) -> Iterator[T]: ...
 @overload
 def load_jsonl(path_or_file: _PathOrFile, cls: Any) -> Iterator[Any]: ...
-def load_jsonl(path_or_file: _PathOrFile, cls: Any) -> Iterator[Any]:
+def load_jsonl(path_or_file: _PathOrFile, cls: Any = _MISSING) -> Iterator[Any]:
     """Yield one ``cls`` per line of a JSON-lines file, reading one line at a time.
 
     Lines holding only whitespace are skipped. A line that is not valid JSON raises
@@ -80,7 +91,9 @@ def load_jsonl(path_or_file: _PathOrFile, cls: Any) -> Iterator[Any]:
 
     An empty file yields nothing: it is the file ``dump_jsonl([], path)`` writes. The
     arguments are checked before any reading: the two swapped (``load_jsonl(cls,
-    path)``) are a ``TypeError`` that says so.
+    path)``) are a ``TypeError`` that says so, and so is a missing ``cls`` (what each
+    line is: ``load_jsonl(f, tr.RolloutGroup)``, ``load_jsonl(f, tr.Rollout |
+    tr.TokenRollout)``).
     """
     if isinstance(path_or_file, type) or (
         not _is_path(path_or_file) and not hasattr(path_or_file, "readline")
@@ -89,6 +102,15 @@ def load_jsonl(path_or_file: _PathOrFile, cls: Any) -> Iterator[Any]:
         msg = (
             "load_jsonl(path_or_file, cls) needs a path or an open text file first, got "
             f"{path_or_file!r:.80}{swapped}"
+        )
+        raise TypeError(msg)
+    if cls is _MISSING:
+        msg = (
+            "load_jsonl(path_or_file, cls) needs cls, the class each line is read as "
+            "(that of the objects written): load_jsonl(f, tr.RolloutGroup) for the groups "
+            "of trio-rollouts generate or demo, load_jsonl(f, tr.Rollout | tr.TokenRollout) "
+            "for rollouts of either kind, load_jsonl(f, tr.PassAtKResult) for an "
+            "evaluation's progress file"
         )
         raise TypeError(msg)
     return _load(path_or_file, cls)

@@ -24,7 +24,8 @@ __all__ = ["run_tool_command"]
 
 class _ToolDisplay:
     """The live view: a progress bar with the latest step's metrics, and a row of the
-    learning curve every ``log_every`` steps."""
+    learning curve for step 1, every ``log_every`` steps and the last step (the summary
+    quotes steps 0, 1 and the last, so each of its numbers is in a row)."""
 
     def __init__(self, console: Console, steps: int, log_every: int) -> None:
         self.console = console
@@ -44,7 +45,7 @@ class _ToolDisplay:
         self.bar.advance(
             latest=f"tool calls {m.policy_tool_call_rate:.3f}  accuracy {m.accuracy:.3f}"
         )
-        if m.step % self.log_every == 0 or m.step == self.bar.steps:
+        if m.step == 1 or m.step % self.log_every == 0 or m.step == self.bar.steps:
             self.console.print(
                 f"{m.step:4d}  {m.mean_reward:6.3f}  {m.tool_call_rate:15.3f}  "
                 f"{m.policy_tool_call_rate:17.3f}  {m.accuracy:8.3f}  {m.mean_turns:5.2f}  "
