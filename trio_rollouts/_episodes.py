@@ -245,7 +245,9 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     has none); ``policy_epoch``/``kv_cache_epoch`` boundaries at positions in the element
     (the backend's stamps per turn, else the group's ``start_epoch``); ``fidelity`` the
     lowest of the turns'; ``extra["episode"]``: ``turns``, ``finish``, ``breaks``,
-    ``tool_calls``, ``parse_errors`` and ``truncated_turns``.
+    ``tool_calls`` (a count), ``parse_errors``, ``truncated_turns`` and ``per_turn`` (one
+    record per turn: its span, finish reason, calls, a non-final step's reward and
+    ``info``).
 
     Cancellation: :meth:`group_rollout` runs the episodes in one nursery; cancelling it
     cancels every model call and environment step, closes every environment (shielded,
