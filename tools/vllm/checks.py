@@ -498,43 +498,24 @@ QWEN_MAX_TOKENS = 6
 
 
 def calculator_reply(number: int, turn: tr.AssistantTurn) -> tr.ChatMessage:
-    """The environment's answer to turn ``number``: a ``"tool"`` result for its first call,
-    or a user message when it made none."""
+    """The environment's answer to turn ``number``: a ``"tool"`` result for its first call
+    (the id the assistant message declared), or a user message when it made none."""
     if turn.tool_calls:
         call = turn.tool_calls[0].id
         return tr.ChatMessage(role="tool", content=f"result {number}", extra={"tool_call_id": call})
     return tr.ChatMessage(role="user", content=f"Use the calculator ({number}).")
 
 
-class CalculatorReplies(tr.BaseEnvironment):
+class CalculatorReplies(ToolReplies):
     """Declares the calculator tool and answers each turn with :func:`calculator_reply`;
-    done after ``turns`` turns. Counts the environments made and closed."""
+    done after ``turns`` turns. Counts its own environments."""
 
     tools: ClassVar[list[dict[str, Any]] | None] = [CALCULATOR]
     made = 0
     closed = 0
 
-    def __init__(self, problem: tr.Problem, *, turns: int) -> None:
-        super().__init__()
-        self.problem = problem
-        self.turns = turns
-        self.steps = 0
-        CalculatorReplies.made += 1
-
-    async def reset(self) -> list[tr.ChatMessage]:
-        await trio.lowlevel.checkpoint()
-        return [tr.ChatMessage(role="user", content=str(self.problem.prompt))]
-
-    async def step(self, turn: tr.AssistantTurn) -> tr.EnvironmentStep:
-        await trio.lowlevel.checkpoint()
-        self.steps += 1
-        if self.steps == self.turns:
-            return tr.EnvironmentStep(done=True, reward=1.0)
-        return tr.EnvironmentStep(messages=[calculator_reply(self.steps, turn)])
-
-    async def aclose(self) -> None:
-        await trio.lowlevel.checkpoint()
-        CalculatorReplies.closed += 1
+    def reply(self, turn: tr.AssistantTurn) -> tr.ChatMessage:
+        return calculator_reply(self.steps, turn)
 
 
 class RecordingInference(tr.OpenAIInference):

@@ -133,10 +133,7 @@ def detect(template: str) -> Family | None:
     """The family whose markers the template writes, or ``None`` when no family's do or
     the markers are not one family's."""
     found = [family for markers, family in _FAMILIES if all(m in template for m in markers)]
-    tool_formats = {family.tool_parser for family in found}
-    if len(tool_formats) > 1 and not _nested(found):
-        return None
-    if not found:
+    if not found or not _nested(found):
         return None
     family = found[0]
     if family.reasoning_parser is None:
