@@ -185,9 +185,7 @@ class HFRenderer:
             prompt = self._template([{"role": "user", "content": "Probe question."}], None, True)
         except Exception:
             return False
-        return prompt.rstrip().endswith(opening) or prompt.rstrip().endswith(
-            opening + "<|message|>"
-        )
+        return prompt.rstrip().endswith(opening)
 
     @_close_ids.default
     def _derive_close_ids(self) -> list[int]:
