@@ -408,11 +408,10 @@ class _Episode:
             return await self.live(member)
 
     async def live(self, member: int) -> TokenRollout:
-        where = "making its environment"
         try:
             env = self.agent.environment(self.problem)
         except Exception as exc:
-            exc.add_note(self.note(member, where))
+            exc.add_note(self.note(member, "making its environment"))
             raise
         # A BaseEnvironment needs no look; for anything else, a plain attribute check
         # rather than isinstance(env, Environment), a runtime protocol check that costs
@@ -483,7 +482,6 @@ class _Run:
     fidelity: str = "exact"
     turns: int = 0
     breaks: int = 0
-    tool_calls: int = 0
     parse_errors: int = 0
     truncated_turns: int = 0
     #: Where the episode is (for the note on an error).
@@ -523,7 +521,6 @@ class _Run:
             start = len(self.elements[-1].ids) - len(sampled)
             self.where = f"turn {self.turns}, parsing"
             turn = _numbered(renderer, renderer.parse(sampled), self.turns)
-            self.tool_calls += len(turn.tool_calls)
             self.parse_errors += turn.parse_error is not None
             self.where = f"turn {self.turns}, in step()"
             step = await self.step(turn)
@@ -711,9 +708,7 @@ class _Run:
         # The turn as a structured message (content, tool calls, reasoning): what every
         # template renders, and what a chat server is sent.
         self.conversation.append(turn.to_message())
-        history = list(self.conversation)
         new_messages = list(step.messages)
-        self.conversation.extend(new_messages)
         tools = self.env.tools
         closed = bool(sampled) and sampled[-1] in stops
         close = list(renderer.close_ids) if (truncated or retokenized) and not closed else []
@@ -723,7 +718,7 @@ class _Run:
         else:
             if agent._bridge_takes_messages:
                 bridge = renderer.bridge(  # type: ignore[call-arg]
-                    element.ids + close, new_messages, tools=tools, messages=history
+                    element.ids + close, new_messages, tools=tools, messages=self.conversation
                 )
             else:
                 bridge = renderer.bridge(element.ids + close, new_messages, tools=tools)
@@ -731,6 +726,7 @@ class _Run:
                 "the renderer could not prove a bridge: the template's render of the "
                 "conversation does not extend the episode's ids (it rewrites history)"
             )
+        self.conversation.extend(new_messages)
         if bridge is None:
             # No room for a turn after the full render: the episode ends here, so no new
             # element starts and nothing broke (no break counted, none raised).
@@ -774,7 +770,7 @@ class _Run:
                     "turns": self.turns,
                     "finish": finish,
                     "breaks": self.breaks,
-                    "tool_calls": self.tool_calls,
+                    "tool_calls": sum(len(t["tool_calls"]) for t in self.per_turn),
                     "parse_errors": self.parse_errors,
                     "truncated_turns": self.truncated_turns,
                     "per_turn": self.per_turn,
