@@ -687,8 +687,14 @@ async def test_a_stream_update_pauses_the_vllm_server_and_continues_its_calls(
 ) -> None:
     interface = make(vllm.base_url, server="vllm")
     agent = ScriptedAgent(script=one_call, parallel_generation_tasks=2)
+    # No sampling probe at the stream's opening: the stub holds every request until its
+    # gate opens, the probe's too, and this test counts the calls the server runs.
     request = GroupedRolloutRequest(
-        num_groups=2, rollouts_per_group=1, inference_interface=interface, streaming=True
+        num_groups=2,
+        rollouts_per_group=1,
+        inference_interface=interface,
+        streaming=True,
+        sampling_check="off",
     )
     with trio.fail_after(PROMPT):
         async with agent.get_grouped_rollouts(request) as stream:

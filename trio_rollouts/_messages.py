@@ -92,17 +92,34 @@ def _check_max_tokens(instance: object, attribute: attrs.Attribute[Any], value: 
         raise ValueError(msg)
 
 
+def _check_seed(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not _is_int(value):
+        msg = f"seed must be an int in [0, 2**63) or None, got {value!r:.40}"
+        raise TypeError(msg)
+    if not 0 <= value < 2**63:  # type: ignore[operator]
+        msg = f"seed must be in [0, 2**63) (servers take an int64), got {value!r}"
+        raise ValueError(msg)
+
+
 @attrs.frozen(kw_only=True)
 class GenerationArgs:
     """Sampling arguments. ``None`` means "not set": the server's default applies.
 
     ``0.0`` is a set value (greedy decoding), never replaced by a default.
+
+    ``seed``: the request's random seed (an int in ``[0, 2**63)``), sent as the OpenAI
+    ``seed`` field (vLLM's per-request seed); the embedded backend honours it exactly.
+    Usually left unset and derived per request from
+    :attr:`GroupedRolloutRequest.seed <trio_rollouts.GroupedRolloutRequest.seed>`.
     """
 
     temperature: float | None = attrs.field(default=None, validator=_check_temperature)
     top_k: int | None = attrs.field(default=None, validator=_check_top_k)
     top_p: float | None = attrs.field(default=None, validator=_check_top_p)
     max_tokens: int | None = attrs.field(default=None, validator=_check_max_tokens)
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
 
     def add(self, other: GenerationArgs) -> GenerationArgs:
         """Return a copy of ``self`` with every field that ``other`` sets applied."""

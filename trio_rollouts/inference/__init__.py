@@ -39,3 +39,4 @@ from ._pausable import Pausable as Pausable
 from ._pausable import WeightUpdateError as WeightUpdateError
 from ._pausable import WeightUpdateMode as WeightUpdateMode
 from ._retry import RetryBackoff as RetryBackoff
+from ._sampling import ReplicaProbe as ReplicaProbe

@@ -35,6 +35,7 @@ from ._interface import InferenceResponse
 from ._parse import error_for_status
 from ._pausable import WeightUpdateError, WeightUpdateMode
 from ._retry import RetryBackoff, call_with_retries
+from ._sampling import continuation_seed
 from ._transport import Transport, encode_json
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "missing_endpoint_hint",
     "pause_call",
     "resume_calls",
+    "seed_continuation",
     "token_continuation_body",
 ]
 
@@ -469,15 +471,62 @@ def merge_continuation(
     raw_text = None
     if first.raw_text is not None:
         raw_text = first.raw_text + continuation.response.content
+    mode = first.logprobs_mode
+    if mode != continuation.logprobs_mode:
+        mode = "unknown"  # served by replicas that sample differently: no one mode
     return InferenceResponse(
         response=reply,
         raw_text=raw_text,
         token_ids=token_ids,
         prompt_length=first.prompt_length if token_ids is not None else None,
         logprobs=logprobs,
-        policy_epoch=first.policy_epoch,
+        policy_epoch=_merge_boundaries(first, continuation),
         kv_cache_epoch=first.kv_cache_epoch,
         num_evictions=first.num_evictions + continuation.num_evictions,
         finish_reason=continuation.finish_reason,
         usage=_merge_usage(first.usage, continuation.usage),
+        logprobs_mode=mode,
+        sampling_mask=_merge_masks(first.sampling_mask, continuation.sampling_mask),
     )
+
+
+def _merge_boundaries(
+    first: InferenceResponse, continuation: InferenceResponse
+) -> list[tuple[int, int]]:
+    """The ``policy_epoch`` of an aborted response and its continuation: the first's
+    boundaries, then the continuation's moved past the tokens the first generated (a
+    boundary only where the epoch changes). Without the continuation's, the first's (a
+    server that stamps only the first segment cannot say more); without the first's
+    and with tokens before, none (the caller stamps the epoch the call started under)."""
+    if not continuation.policy_epoch:
+        return first.policy_epoch
+    before = generated_tokens(first)
+    if not first.policy_epoch:
+        # Only a first segment that generated nothing has nothing to stamp.
+        return list(continuation.policy_epoch) if before == 0 else []
+    if before is None:
+        return first.policy_epoch
+    merged = list(first.policy_epoch)
+    for start, epoch in continuation.policy_epoch:
+        if epoch != merged[-1][1]:
+            merged.append((before + start, epoch))
+    return merged
+
+
+def _merge_masks(first: Any, continuation: Any) -> Any:
+    """Sampling masks (one entry per generated token) of both segments, or ``None``."""
+    if isinstance(first, list) and isinstance(continuation, list):
+        return first + continuation
+    return None
+
+
+def seed_continuation(
+    continued: dict[str, Any], body: dict[str, Any], continuation: int
+) -> dict[str, Any]:
+    """``continued`` (the ``continuation``-th continuation of ``body``, 1-based) with its
+    own seed, :func:`~._sampling.continuation_seed` of the first request's, when that
+    one has a seed: a continuation must not replay the first request's random stream."""
+    seed = body.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        continued["seed"] = continuation_seed(seed, continuation)
+    return continued

@@ -134,10 +134,14 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
     sees ``request.prompt`` if it is not empty and else one user message holding that text,
     and ``token_ids`` is ``prompt_ids`` followed by the generated code points. ``logprobs``
     gives each generated token
-    ``log(p) / len(completion)``, where ``p`` is the policy's probability of the chosen
-    completion (before temperature and cuts, as vLLM reports raw log-probabilities), so a
-    complete completion's logprobs sum to ``log(p)``. ``policy_epoch`` starts at
-    ``[(0, e)]`` with the epoch current at admission; see
+    ``log(p) / len(completion)``, where ``p`` is the chosen completion's probability in
+    the distribution it was sampled from (after temperature, top-k and top-p: processed
+    log-probabilities, as vLLM's ``--logprobs-mode processed_logprobs`` reports them;
+    greedy decoding is scored at temperature 1, as vLLM does), so a complete
+    completion's logprobs sum to ``log(p)``; ``logprobs_mode`` is ``"processed"``. A
+    request's ``GenerationArgs.seed`` fixes its sample exactly, whatever other requests
+    came before. ``policy_epoch`` starts at ``[(0, e)]`` with the epoch current at
+    admission; see
     :meth:`set_generation_epoch`. ``kv_cache_epoch`` mirrors ``policy_epoch`` (each
     token's cache is computed under the weights that generated it), except after an
     ``abort`` weight update (see :meth:`pause`); ``num_evictions`` is 0.
@@ -307,11 +311,11 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
             if not messages:
                 messages = [ChatMessage(role="user", content=prompt_text)]
         # The random stream is fixed on arrival, so a pause never changes the sample.
-        rng = self._request_rng(prompt_text)
+        rng = self._request_rng(prompt_text, request.generation_args.seed)
         state = self._run_state()
         await state.hold(admission=True)
         completions, probs = self._distribution(messages)
-        index = _sample(probs, request.generation_args, rng)
+        index, probability = _sample(probs, request.generation_args, rng)
         completion = completions[index]
         max_tokens = request.generation_args.max_tokens
         generated = completion if max_tokens is None else completion[:max_tokens]
@@ -352,7 +356,7 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
             state.admitted -= 1
             state.wake_pause()
 
-        token_logprob = math.log(probs[index]) / len(completion) if completion else 0.0
+        token_logprob = math.log(probability) / len(completion) if completion else 0.0
         raw_text = prompt_text + generated
         return InferenceResponse(
             response=ChatMessage(role="assistant", content=generated),
@@ -364,6 +368,7 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
             kv_cache_epoch=kv_cache_epoch,
             num_evictions=0,
             finish_reason="length" if len(generated) < len(completion) else "stop",
+            logprobs_mode="processed",
         )
 
     def _run_state(self) -> _RunState:
@@ -392,11 +397,15 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
             raise ValueError(msg)
         return completions, probs / total
 
-    def _request_rng(self, prompt_text: str) -> np.random.Generator:
+    def _request_rng(self, prompt_text: str, seed: int | None) -> np.random.Generator:
         digest = _prompt_digest(prompt_text)
+        words = [int.from_bytes(digest[i : i + 8], "little") for i in (0, 8)]
+        if seed is not None:
+            # A request's own seed fixes its sample, whatever came before (as vLLM's
+            # per-request seed does); the per-prompt counter is left alone.
+            return np.random.default_rng([self.seed, *words, _SEEDED, seed])
         occurrence = self._requests_per_prompt.get(digest, 0)
         self._requests_per_prompt[digest] = occurrence + 1
-        words = [int.from_bytes(digest[i : i + 8], "little") for i in (0, 8)]
         return np.random.default_rng([self.seed, *words, occurrence])
 
 
@@ -483,13 +492,22 @@ def _stamp(policy_epoch: list[tuple[int, int]], k: int, epoch: int) -> None:
         policy_epoch.append((k, epoch))
 
 
-def _sample(probs: npt.NDArray[np.float64], args: GenerationArgs, rng: np.random.Generator) -> int:
-    """Pick a completion index as an engine samples a token: temperature, top-k, top-p."""
+#: Marks a request's own seed in the entropy of its random stream (an unseeded
+#: request's stream has the per-prompt counter in that place instead).
+_SEEDED: Final = 0x5EED
+
+
+def _sample(
+    probs: npt.NDArray[np.float64], args: GenerationArgs, rng: np.random.Generator
+) -> tuple[int, float]:
+    """Pick a completion index as an engine samples a token: temperature, top-k, top-p;
+    with the probability it had in the distribution sampled from (processed)."""
     # Most probable first; a stable sort breaks ties by index.
     order = np.argsort(-probs, kind="stable")
     order = order[probs[order] > 0]
     if args.temperature == 0.0:
-        return int(order[0])
+        # Greedy: vLLM scores greedy requests at temperature 1 in either logprobs mode.
+        return int(order[0]), float(probs[order[0]])
     if args.top_k is not None and args.top_k != -1:
         order = order[: args.top_k]
     logits = np.log(probs[order])
@@ -502,4 +520,8 @@ def _sample(probs: npt.NDArray[np.float64], args: GenerationArgs, rng: np.random
         cut = int(np.searchsorted(np.cumsum(kept), args.top_p, side="left")) + 1
         kept = kept[:cut] / kept[:cut].sum()
         order = order[:cut]
-    return int(order[rng.choice(len(order), p=kept)])
+    chosen = int(rng.choice(len(order), p=kept))
+    index = int(order[chosen])
+    if args.temperature in (None, 1.0) and args.top_k in (None, -1) and args.top_p in (None, 1.0):
+        return index, float(probs[index])  # nothing processed: the policy's own, exactly
+    return index, float(kept[chosen])

@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from .._messages import ChatMessage, GenerationArgs
+from ._sampling import LogprobsMode
 
 __all__ = [
     "AcceptsTokens",
@@ -97,6 +98,13 @@ class InferenceResponse:
     - ``usage``: the server's token accounting as it sent it (an OpenAI-compatible
       server's ``usage`` object: ``prompt_tokens``, ``completion_tokens``,
       ``total_tokens``, ...), or ``None``. It is kept even when ``token_ids`` is not.
+    - ``logprobs_mode``: which log-probabilities ``logprobs`` are, as far as the backend
+      knows: ``"processed"`` (from the distribution sampled from), ``"raw"`` (before
+      temperature, top-k and top-p) or ``"unknown"`` (see
+      :class:`~trio_rollouts.inference.ReplicaProbe`).
+    - ``sampling_mask``: the server's record of the tokens its sampler kept at each
+      generated position, as it sent it (vLLM's ``sampling_mask`` with
+      ``--return-sampling-mask``), or ``None``.
     """
 
     response: ChatMessage
@@ -109,6 +117,8 @@ class InferenceResponse:
     num_evictions: int = 0
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs_mode: LogprobsMode = "unknown"
+    sampling_mask: Any = None
 
 
 def render_plain_chat(messages: list[ChatMessage]) -> str:

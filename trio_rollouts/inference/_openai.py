@@ -37,6 +37,7 @@ from .._messages import ChatMessage
 from ._config import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, KEEPALIVE_EXPIRY, Limits, Timeout
 from ._control import (
     ABORT,
+    RESUME_TIMEOUT,
     SERVER_KINDS,
     VERSION_SEGMENT,
     ControlEndpoints,
@@ -46,6 +47,7 @@ from ._control import (
     control_root,
     generated_tokens,
     merge_continuation,
+    seed_continuation,
     token_continuation_body,
 )
 from ._errors import (
@@ -75,7 +77,19 @@ from ._negotiation import (
 from ._parse import Response, error_for_status, parse_completion, redact, server_message
 from ._pausable import Pausable, WeightUpdateMode
 from ._retry import RetryBackoff, call_with_retries
+from ._sampling import LogprobsMode, ReplicaProbe
 from ._transport import Transport, TransportKind, encode_json, open_transport, proxied
+from ._vllm import (
+    NativeCall,
+    NativeReplicas,
+    NativeRun,
+    ProbeCache,
+    ProbeKind,
+    ProbeRun,
+    Unreachable,
+    VLLMNative,
+    probe_logprobs_mode,
+)
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
@@ -366,7 +380,9 @@ class _RunState:
     pause: PauseState
     totals: _Counts
     counts: _Counts
+    native: NativeRun
     models: ServedModels = attrs.field(factory=ServedModels)
+    probes: ProbeRun = attrs.field(factory=ProbeRun)
     next_replica: int = 0
     keeper_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: trio.Event = attrs.field(factory=trio.Event)
@@ -479,9 +495,30 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
       hold calls client-side only (``drain`` and ``restart``). See :meth:`pause` and
       ``docs/pausing-servers.md``.
 
+      With ``"vllm"``, requests without tools (or an ``extra_body`` option only the
+      OpenAI routes honour, such as ``response_format``) go to vLLM's native RL route,
+      ``{root}/inference/v1/generate`` (``root``: ``base_url`` without ``/v1``; served
+      with ``--enable-scale-out``): id prompts as they are, text prompts rendered to ids
+      by the server's ``/tokenize`` (chat messages with the chat template and the
+      generation prompt; a completions prompt as text), the sampling fields (generation
+      arguments, ``seed``, ``extra_body``) as ``sampling_params``. The response is the
+      same as on the OpenAI routes (the text comes in the reply, ``output_mode:
+      "text"``), plus exact ``policy_epoch`` boundaries: each replica is labelled with
+      the epoch (``POST /update_weight_version``) at its first contact and at every
+      :meth:`resume`, and the reply's ``weight_versions`` spans become the boundaries
+      (see :attr:`stamps_policy_epoch`). A cancelled call's request is aborted on the
+      server by its id. Whether a replica serves the route is learned once per replica
+      for the interface's life: one that answers 403 (vLLM without
+      ``--enable-scale-out``), 404, 405 or 501 is sent the OpenAI routes from then on,
+      with one warning naming it and the flag. ``kv_cache_epoch`` stays as on the OpenAI
+      routes: vLLM does not say which KV blocks a continuation read from a prefix cache
+      computed under older weights.
+
     Every set field of the request's ``GenerationArgs`` is forwarded as is
-    (``temperature``, ``top_p``, ``max_tokens``, and ``top_k`` as a top-level key, which
-    vLLM and SGLang accept); unset ones are left out, so the server's defaults apply.
+    (``temperature``, ``top_p``, ``max_tokens``, ``seed``, and ``top_k`` as a top-level
+    key, which vLLM and SGLang accept); unset ones are left out, so the server's defaults
+    apply. The ``k``-th continuation of an aborted seeded call is sent
+    ``continuation_seed(seed, k)`` instead (no two requests share a seed).
 
     The response fills ``raw_text`` (the server's ``raw_text`` when it sends one, as
     Megatron's does; else the prompt sent to ``/completions``, or
@@ -573,6 +610,31 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         ),
     )
 
+    # vLLM's native route (None unless server="vllm"): what it learns about each replica
+    # (served or not, labelled, the labels set) is kept for the interface's life.
+    _native: VLLMNative | None = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(lambda self: self._native_route(), takes_self=True),
+    )
+    # What probe() learned per replica, over the interface's life.
+    _probe_cache: ProbeCache = attrs.field(init=False, repr=False, factory=ProbeCache)
+
+    def _native_route(self) -> VLLMNative | None:
+        if self.server != "vllm":
+            return None
+        roots = tuple(control_root(url) for url in self.base_url)
+        return VLLMNative(
+            roots=roots,
+            shown_roots=tuple(_display_url(root) for root in roots),
+            api_key=self.api_key,
+            model=self.model,
+            max_retries=self.max_retries,
+            backoff=self.backoff,
+            capabilities=self._capabilities,
+            state=NativeReplicas.for_replicas(len(self.base_url)),
+        )
+
     def _control_endpoints(self) -> ControlEndpoints | None:
         if self.server is None:
             return None
@@ -619,6 +681,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 pause=self._pause_state(),
                 totals=self._totals,
                 counts=_Counts(n),
+                native=NativeRun.for_replicas(n),
             )
             self._run_state.set(state)
             trio.lowlevel.spawn_system_task(
@@ -677,6 +740,90 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             ),
         )
 
+    # ----------------------------------------------------------------------- the probe
+
+    async def probe(self) -> list[ReplicaProbe]:
+        """What each replica says about how it samples, one :class:`ReplicaProbe` per
+        replica (in ``base_url`` order), probed concurrently.
+
+        Per replica: two one-token requests with the same short prompt and seed, at
+        ``temperature=1`` and ``temperature=0.5``, asking the top 5 logprobs
+        (``/v1/completions`` ``logprobs: 5``; for ``endpoint="chat"`` with
+        ``token_prompts=False``, a server that renders chats only, ``/v1/chat/completions``
+        ``logprobs: true, top_logprobs: 5``). Equal top logprobs (within 1e-5) mean the
+        server returns ``"raw"`` logprobs (before temperature: vLLM's default), different
+        ones ``"processed"`` (``--logprobs-mode processed_logprobs``); none, a refusal or
+        an error status, ``"unknown"``. With ``server="vllm"``, ``native_generate`` says
+        whether the replica serves vLLM's native route (asked with a one-token native
+        request if no call has asked yet; its first contact labels the replica with the
+        current epoch, as a call's would) and ``sampling_mask`` whether a native reply
+        carried one.
+
+        Answers are cached per replica for the interface's life (across Trio runs);
+        concurrent callers share one probe. An answer for a replica that could not be
+        reached (a connection error or a timeout), or whose native route is still
+        unknown, is returned but not cached. Probe requests are not counted in
+        :meth:`statistics` and never raise server or HTTP errors (they give
+        ``"unknown"``); they do not wait for a paused interface. Responses of later calls
+        carry the cached ``logprobs_mode`` of the replica that served them.
+
+        Cancellation: cancellable; nothing is cached for a replica whose probe was
+        cancelled midway: the next :meth:`probe`, or a caller that was sharing it, asks
+        again.
+        """
+        state = self._state()
+        results: dict[int, ReplicaProbe] = {}
+
+        async def one(index: int) -> None:
+            results[index] = await self._probe_cache.get(
+                state.probes, index, functools.partial(self._probe_replica, state, index)
+            )
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self.base_url)):
+                nursery.start_soon(one, index)
+        return [results[index] for index in range(len(self.base_url))]
+
+    async def _probe_replica(self, state: _RunState, index: int) -> tuple[ReplicaProbe, bool]:
+        """The probe of one replica and whether it is final (worth caching)."""
+        kind: ProbeKind = (
+            "chat" if self.endpoint == "chat" and not self.token_prompts else "completions"
+        )
+        path = _ENDPOINT_PATHS[kind]
+        mode: LogprobsMode = "unknown"
+        final = True
+
+        async def logprobs() -> None:
+            nonlocal mode, final
+            url, shown = self.base_url[index] + path, self._shown_urls[index] + path
+            try:
+                mode = await probe_logprobs_mode(state.transport, url, shown, kind, self.model)
+            except Unreachable:
+                final = False
+
+        async def negotiate(native: VLLMNative) -> None:
+            nonlocal final
+            try:
+                await native.negotiate(state.transport, state.native, index)
+            except InferenceError as exc:
+                # A connection error, a timeout, a 5xx: asked again by the next call.
+                logger.debug("probing %s's native route failed: %s", self._shown_urls[index], exc)
+            if native.replica(index).native is None:
+                final = False
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(logprobs)
+            if self._native is not None:
+                nursery.start_soon(negotiate, self._native)
+        replica = None if self._native is None else self._native.replica(index)
+        probe = ReplicaProbe(
+            base_url=self._shown_urls[index],
+            logprobs_mode=mode,
+            native_generate=replica is not None and replica.native is True,
+            sampling_mask=replica is not None and replica.sampling_mask,
+        )
+        return probe, final
+
     # ----------------------------------------------------------------------- weight updates
 
     @property
@@ -698,10 +845,18 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
 
     @property
     def stamps_policy_epoch(self) -> bool:
-        """``False``: neither server reports the token at which the weights changed, so
+        """Whether every response records the token at which its epoch changed.
+
+        ``True`` only with ``server="vllm"`` once every replica is known to serve vLLM's
+        native route and to stamp: it answered a native request, took this interface's
+        weight-version label, and no reply carried a label the interface did not set.
+        So it is ``False`` until each replica's first call (or :meth:`probe`), which is
+        fine: the pipeline reads it at a weight update, to decide whether the calls in
+        flight are stamped exactly, and a replica not contacted yet has none in flight.
+        Otherwise ``False``: the OpenAI routes do not say where the weights changed, and
         a call is stamped ``[(0, e)]`` with the epoch it started under (unless the
         server returns its own ``policy_epoch`` stamps, as Megatron's does)."""
-        return False
+        return self._native is not None and self._native.stamps
 
     def _pause_state(self) -> PauseState:
         pause = self._pause_var.get(None)
@@ -768,8 +923,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         paused (vLLM ``POST /resume``; SGLang ``POST /continue_generation``), and release
         the held calls. With SGLang, a new epoch is first sent as its weight version
         (``POST /update_weight_version {"new_version": "<epoch>",
-        "abort_all_requests": false}``). Idempotent: when nothing is paused it only sets
-        the epoch.
+        "abort_all_requests": false}``). With vLLM, every replica that serves the native
+        route gets ``POST /update_weight_version {"new_version": "<epoch>"}`` first (while
+        still paused, so that the tokens sampled after ``/resume`` carry it); a replica
+        whose label fails only stops stamping (a warning, not an error). Idempotent: when
+        nothing is paused it only sets the epoch (and labels native replicas whose label
+        differs).
 
         A replica that fails to resume (within 60 s, retrying transient errors) stays
         marked paused, so that the next :meth:`resume` tries it again; the epoch is set
@@ -781,15 +940,14 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             msg = f"epoch must be an int, got {epoch!r}"
             raise TypeError(msg)
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
-            msg = f"epoch must be an int, got {epoch!r}"
-            raise TypeError(msg)
         state = self._state()
         pause = state.pause
         control = self._control
         paused = pause.hold is not None
         error = None
         try:
+            # While still paused: the tokens generated after /resume carry the new label.
+            await self._relabel(state, epoch)
             if control is not None and (paused or self._server_paused):
                 new_version = epoch if paused and epoch != self._epoch.value else None
                 error = await control.resume(state.transport, self._server_paused, new_version)
@@ -798,6 +956,16 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             pause.release()
         if error is not None:
             raise error
+
+    async def _relabel(self, state: _RunState, epoch: int) -> None:
+        """Label the native vLLM replicas with ``epoch`` (shielded, bounded by the
+        resume's timeout; a failure only stops that replica stamping)."""
+        native = self._native
+        if native is None:
+            return
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + RESUME_TIMEOUT
+            await native.relabel(state.transport, state.native, epoch)
 
     # ----------------------------------------------------------------------- requests
 
@@ -814,13 +982,16 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         before sending anything; a call whose request the server aborted for the pause
         (``finish_reason == "abort"``) waits for :meth:`resume` and is continued from its
         partial output, and returns one response. The response's ``policy_epoch`` is the
-        server's stamps when it sends them, else ``[(0, e)]`` with ``e`` the
-        :attr:`policy_epoch` when the call started (after any wait).
+        server's stamps when it sends them (vLLM's native route: its ``weight_versions``),
+        else ``[(0, e)]`` with ``e`` the :attr:`policy_epoch` when the call started
+        (after any wait). Its ``logprobs_mode`` is what :meth:`probe` found for the
+        replica that served it (``"unknown"`` if never probed; a call never probes).
 
         Cancellation: cancellable at any point, including during a backoff wait and while
         held by a pause. A cancelled request releases its connection slot and its
         in-flight count before ``trio.Cancelled`` propagates; the server may still finish
-        the generation.
+        the generation, except on vLLM's native route, where the request is aborted by
+        its id from a system task (best effort, without delaying the cancellation).
         """
         endpoint: Literal["chat", "completions"] = self.endpoint
         if request.prompt_ids is None:
@@ -835,13 +1006,16 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             await pause.wait_resumed()
             state = self._state()  # aclose() during the pause closed the old transport
         epoch = self._epoch.value
+        call = NativeCall(start_epoch=epoch) if self._native is not None else None
         server_pauses = pause.server_pauses
         if request.prompt_ids is None:
-            response = await self._attempt_with_retries(state, request, body, path)
+            response = await self._attempt_with_retries(state, request, body, path, call=call)
         else:
-            response = await self._token_attempt(state, request, request.prompt_ids, body, path)
+            response = await self._token_attempt(
+                state, request, request.prompt_ids, body, path, call
+            )
         if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
-            response = await self._continue_aborted(state, request, body, path, response)
+            response = await self._continue_aborted(state, request, body, path, response, call)
         if not response.policy_epoch:
             response.policy_epoch = [(0, epoch)]
         return response
@@ -853,6 +1027,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         body: dict[str, Any],
         path: str,
         response: InferenceResponse,
+        call: NativeCall | None = None,
     ) -> InferenceResponse:
         """Continue a response that a pause aborted, after :meth:`resume`, from its
         partial output, until it finishes for another reason (each pause that aborts it
@@ -861,10 +1036,13 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         With token ids (the default with vLLM and SGLang) the continuation is exact: a
         ``/v1/completions`` request whose prompt is the ids so far
         (:func:`token_continuation_body`), checked against the prompt ids the server
-        echoes. Without them, it resends the text (:func:`continuation_body`)."""
+        echoes. Without them, it resends the text (:func:`continuation_body`). The
+        ``k``-th continuation of a seeded request gets its own seed
+        (:func:`~._sampling.continuation_seed`)."""
         pause = state.pause
         server = self.server
         merged = response
+        continuations = 0
         while merged.finish_reason == ABORT:
             await pause.wait_resumed()
             state = self._state()  # aclose() during the pause closed the old client
@@ -881,9 +1059,16 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 endpoint = self.endpoint
             if continued is None:  # max_tokens used up before the abort
                 return attrs.evolve(merged, finish_reason="length")
+            continuations += 1
+            continued = seed_continuation(continued, body, continuations)
+            epoch = self._epoch.value
             segment = await self._attempt_with_retries(
-                state, request, continued, _ENDPOINT_PATHS[endpoint], endpoint
+                state, request, continued, _ENDPOINT_PATHS[endpoint], endpoint, call=call
             )
+            if merged.policy_epoch and not segment.policy_epoch and generated_tokens(segment):
+                # A stamped call continued on a replica that does not stamp: its new
+                # tokens were sampled after the resume, under the epoch it set.
+                segment.policy_epoch = [(0, epoch)]
             if merged.token_ids is not None:
                 self._check_echo(merged.token_ids, segment, "continued an aborted request")
             merged = merge_continuation(merged, segment)
@@ -918,11 +1103,15 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         ids: list[int],
         body: dict[str, Any],
         path: str,
+        call: NativeCall | None = None,
     ) -> InferenceResponse:
-        """Send a token-id prompt to ``/v1/completions`` (``path``); the response must
-        carry the token ids, and the prompt ids it echoes must be the ones sent."""
+        """Send a token-id prompt to ``/v1/completions`` (``path``), or vLLM's native route;
+        the response must carry the token ids, and the prompt ids it echoes must be the
+        ones sent."""
         try:
-            response = await self._attempt_with_retries(state, request, body, path, "completions")
+            response = await self._attempt_with_retries(
+                state, request, body, path, "completions", call=call
+            )
         except BadRequestError as error:
             if isinstance(error, UnsupportedFieldError):
                 raise
@@ -974,8 +1163,11 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         body: dict[str, Any],
         path: str,
         endpoint: Literal["chat", "completions"] | None = None,
+        *,
+        call: NativeCall | None = None,
     ) -> InferenceResponse:
-        """One request and its retries (counted in the run's statistics)."""
+        """One request and its retries (counted in the run's statistics). With ``call``
+        (``server="vllm"``), an attempt may go to the replica's native route."""
 
         retried = False
 
@@ -985,7 +1177,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             retried = True
 
         return await call_with_retries(
-            functools.partial(self._attempt, state, request, body, path, endpoint or self.endpoint),
+            functools.partial(
+                self._attempt, state, request, body, path, endpoint or self.endpoint, call
+            ),
             max_retries=self.max_retries,
             backoff=self.backoff,
             on_retry=count_retry,
@@ -1040,10 +1234,18 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         body: dict[str, Any],
         path: str,
         endpoint: Literal["chat", "completions"],
+        call: NativeCall | None = None,
     ) -> InferenceResponse:
         """One attempt: ``body`` to one replica, sent again at once without any negotiable
-        field that the replica refuses (not a retry)."""
+        field that the replica refuses (not a retry). With ``call``, to the replica's
+        native vLLM route when it may serve it (a replica that refuses it falls back, in
+        the same attempt)."""
         index = self._pick_replica(state)
+        native = self._native
+        if native is not None and call is not None and native.takes(index, body):
+            answered = await self._native_attempt(state, native, index, request, body, call)
+            if answered is not None:
+                return answered
         capabilities = self._capabilities
         url = self.base_url[index] + path
         shown = self._shown_urls[index] + path
@@ -1065,6 +1267,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 state.in_flight[index] -= 1
             if 200 <= response.status_code < 300:
                 parsed = parse_completion(endpoint, request, sent, response, shown, self.api_key)
+                parsed.logprobs_mode = self._probe_cache.mode(index)
                 return self._check_returned(index, sent, parsed)
             said = server_message(response)
             refused = self._refused_negotiable(response, sent, said)
@@ -1075,6 +1278,37 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 raise error
             # Each pass drops at least one field that was sent, so this loop ends.
             capabilities.drop(index, refused, self._shown_urls[index])
+
+    async def _native_attempt(
+        self,
+        state: _RunState,
+        native: VLLMNative,
+        index: int,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        call: NativeCall,
+    ) -> InferenceResponse | None:
+        """``body`` on replica ``index``'s native route, counted as an attempt (a refusal
+        too: it was sent); ``None`` if the replica does not serve it."""
+        # Labelled first, outside the counts: the label is not a generation request.
+        await native.first_contact(state.transport, state.native, index)
+        sent = self._capabilities.without_dropped(index, body)
+        state.in_flight[index] += 1
+        state.attempts[index] += 1
+        try:
+            response = await native.generate(
+                state.transport, state.native, index, request, sent, call
+            )
+        finally:
+            state.in_flight[index] -= 1
+        if response is None:
+            return None
+        if not sent.get("return_token_ids") and not isinstance(sent.get("prompt"), list):
+            # Token ids not asked (return_token_ids=False): the response is what the
+            # OpenAI route would give, without them, though the native reply has them.
+            response = attrs.evolve(response, token_ids=None, prompt_length=None)
+        response.logprobs_mode = self._probe_cache.mode(index)
+        return self._check_returned(index, sent, response)
 
     def _check_returned(
         self, index: int, sent: dict[str, Any], response: InferenceResponse

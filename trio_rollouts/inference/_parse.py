@@ -37,6 +37,7 @@ __all__ = [
     "Response",
     "error_for_status",
     "parse_completion",
+    "read_json",
     "redact",
     "retry_after",
     "server_message",
@@ -260,8 +261,19 @@ def parse_completion(
 ) -> InferenceResponse:
     """The :class:`InferenceResponse` of a 2xx ``response`` to ``sent``; a body that is not
     the JSON the API promises is a :class:`MalformedResponseError` naming the field."""
+    data = read_json(response, shown, api_key)
     try:
-        data = response.json()
+        return _completion(endpoint, request, sent, data)
+    except BadField as exc:
+        msg = f"POST {shown} returned {response.status_code} but {exc}"
+        raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
+
+
+def read_json(response: Response, shown: str, api_key: str | None) -> Any:
+    """The JSON of a 2xx ``response`` to ``POST shown``; a body that is not JSON (an HTML
+    page, text) is a :class:`MalformedResponseError` saying what it is."""
+    try:
+        return response.json()
     except ValueError as exc:
         if is_html(response):
             msg = (
@@ -274,11 +286,6 @@ def parse_completion(
         msg = f"POST {shown} returned {response.status_code} but its body is not JSON ({exc})"
         msg += f"; it starts {start!r}"
         raise MalformedResponseError(msg, url=shown, status=response.status_code) from exc
-    try:
-        return _completion(endpoint, request, sent, data)
-    except _BadField as exc:
-        msg = f"POST {shown} returned {response.status_code} but {exc}"
-        raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
 
 
 def _completion(
@@ -287,20 +294,13 @@ def _completion(
     sent: dict[str, Any],
     data: object,
 ) -> InferenceResponse:
-    if not isinstance(data, dict):
-        msg = f"its JSON is a {type(data).__name__}, not an object"
-        raise _BadField(msg)
-    choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        msg = "$.choices is not a non-empty list of objects"
-        raise _BadField(msg)
-    choice: dict[str, Any] = choices[0]
+    data, choice = first_choice(data)
 
     if endpoint == "chat":
         message = choice.get("message")
         if not isinstance(message, dict):
             msg = "$.choices[0].message is not an object"
-            raise _BadField(msg)
+            raise BadField(msg)
         # A reply that only calls tools has null content.
         content = _optional_str(message, "content", "$.choices[0].message") or ""
         role = _optional_str(message, "role", "$.choices[0].message") or "assistant"
@@ -316,7 +316,7 @@ def _completion(
         text = _optional_str(choice, "text")
         if text is None:
             msg = "$.choices[0].text is missing"
-            raise _BadField(msg)
+            raise BadField(msg)
         reply = ChatMessage(role="assistant", content=text)
         prompt = sent["prompt"]
         # A prompt of token ids (an exact continuation) has no text of its own here.
@@ -338,7 +338,7 @@ def _completion(
     usage = data.get("usage")
     if usage is not None and not isinstance(usage, dict):
         msg = f"$.usage is a {type(usage).__name__}, not an object"
-        raise _BadField(msg)
+        raise BadField(msg)
     return InferenceResponse(
         response=reply,
         raw_text=raw_text if raw_text is not None else prompt_text + reply.content,
@@ -353,7 +353,19 @@ def _completion(
     )
 
 
-class _BadField(Exception):
+def first_choice(data: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A reply's JSON object and its first choice (``BadField`` if it has none)."""
+    if not isinstance(data, dict):
+        msg = f"its JSON is a {type(data).__name__}, not an object"
+        raise BadField(msg)
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        msg = "$.choices is not a non-empty list of objects"
+        raise BadField(msg)
+    return data, choices[0]
+
+
+class BadField(Exception):
     """A field of a 2xx response body has the wrong shape (the message names its path)."""
 
 
@@ -364,7 +376,7 @@ def _optional_str(obj: dict[str, Any], key: str, where: str = _CHOICE) -> str | 
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
         msg = f"{where}.{key} is a {type(value).__name__}, not a string"
-        raise _BadField(msg)
+        raise BadField(msg)
     return value
 
 
@@ -372,7 +384,7 @@ def _optional_int(obj: dict[str, Any], key: str, where: str = _CHOICE) -> int | 
     value = obj.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         msg = f"{where}.{key} is {value!r:.40}, not an int"
-        raise _BadField(msg)
+        raise BadField(msg)
     return value
 
 
@@ -384,7 +396,7 @@ def _int_list(obj: dict[str, Any], key: str, where: str = _CHOICE) -> list[int] 
         isinstance(item, int) and not isinstance(item, bool) for item in value
     ):
         msg = f"{where}.{key} is not a list of ints"
-        raise _BadField(msg)
+        raise BadField(msg)
     return list(value)
 
 
@@ -393,7 +405,7 @@ def _numbers(value: object, path: str) -> list[float]:
         isinstance(item, (int, float)) and not isinstance(item, bool) for item in value
     ):
         msg = f"{path} is not a list of numbers, one per generated token"
-        raise _BadField(msg)
+        raise BadField(msg)
     return [float(item) for item in value]
 
 
@@ -406,7 +418,7 @@ def _logprobs_object(choice: dict[str, Any]) -> dict[str, Any] | None:
     logprobs = choice.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, dict):
         msg = f"{_CHOICE}.logprobs is not an object"
-        raise _BadField(msg)
+        raise BadField(msg)
     return logprobs
 
 
@@ -429,7 +441,7 @@ def _chat_logprobs(logprobs: dict[str, Any]) -> list[float]:
     path = f"{_CHOICE}.logprobs.content"
     if not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
         msg = f"{path} is not a list of objects"
-        raise _BadField(msg)
+        raise BadField(msg)
     return _numbers([item.get("logprob") for item in content], f"{path}[*].logprob")
 
 
@@ -449,6 +461,6 @@ def _epochs(obj: dict[str, Any], key: str) -> list[tuple[int, int]]:
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
         ):
             msg = f"{_CHOICE}.{key} is not a list of [start_token_index, epoch] pairs"
-            raise _BadField(msg)
+            raise BadField(msg)
         pairs.append((item[0], item[1]))
     return pairs

@@ -1,0 +1,72 @@
+"""What a replica says about how it samples: the probe's answer, and stable request seeds.
+
+:class:`ReplicaProbe` is what :meth:`OpenAIInference.probe` learns about one replica:
+which log-probabilities it returns (``"processed"``: from the distribution it sampled
+from, after temperature, top-k and top-p; ``"raw"``: before them, vLLM's default;
+``"unknown"``), whether it serves vLLM's native ``/inference/v1/generate`` and whether its
+responses carry a sampling mask. :func:`derive_seed` makes the per-request seeds of a run
+from its parts, the same in every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Final, Literal, TypeAlias
+
+import attrs
+
+__all__ = [
+    "LOGPROBS_MODES",
+    "LogprobsMode",
+    "ReplicaProbe",
+    "continuation_seed",
+    "derive_seed",
+]
+
+#: Which log-probabilities a server returns: ``"processed"`` (what the sampler drew
+#: from), ``"raw"`` (before temperature, top-k and top-p) or ``"unknown"``.
+LogprobsMode: TypeAlias = Literal["processed", "raw", "unknown"]
+LOGPROBS_MODES: Final[tuple[LogprobsMode, ...]] = ("processed", "raw", "unknown")
+
+#: Seeds are 63-bit non-negative ints: vLLM checks a seed against int64, and 63 bits
+#: make a collision among a run's requests negligible (about n**2 / 2**64).
+_SEED_MASK: Final = (1 << 63) - 1
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaProbe:
+    """What one replica answered to :meth:`~trio_rollouts.inference.OpenAIInference.probe`.
+
+    - ``base_url``: the replica, as shown in errors (no credentials).
+    - ``logprobs_mode``: ``"processed"``, ``"raw"`` or ``"unknown"`` (the replica
+      returned no top log-probabilities, refused the probe or could not be reached).
+    - ``native_generate``: whether it serves vLLM's ``/inference/v1/generate``
+      (``--enable-scale-out``), which the interface then uses for id prompts.
+    - ``sampling_mask``: whether its responses carry the set of tokens the sampler
+      kept (vLLM's ``--return-sampling-mask``, GPU model runner only).
+    """
+
+    base_url: str
+    logprobs_mode: LogprobsMode = attrs.field(
+        default="unknown", validator=attrs.validators.in_(LOGPROBS_MODES)
+    )
+    native_generate: bool = False
+    sampling_mask: bool = False
+
+
+def derive_seed(*parts: int | str | None) -> int:
+    """A seed from ``parts`` (ints, strings, ``None``), stable across processes and
+    Python versions (BLAKE2b of their JSON, not ``hash()``): a 63-bit non-negative int."""
+    data = json.dumps(parts, separators=(",", ":"), ensure_ascii=True).encode()
+    digest = hashlib.blake2b(data, digest_size=8, person=b"trio-rollouts").digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+def continuation_seed(seed: int | None, continuation: int) -> int | None:
+    """The seed of a request's ``continuation``-th continuation (0: the request itself,
+    its seed unchanged): a call that a weight update aborted goes on with a seed of its
+    own, so that no two requests of a run share one."""
+    if seed is None or continuation == 0:
+        return seed
+    return derive_seed("continuation", seed, continuation)
