@@ -160,7 +160,7 @@ def test_generate_sends_the_generation_flags(
     result = invoke(*generate(
         server, prompts, tmp_path / "o.jsonl", "--group-size", 1, "--temperature", 0.7,
         "--top-p", 0.9, "--top-k", 20, "--max-tokens", 5, "--num-prompts", 1,
-        "--extra-body", '{"seed": 3, "repetition_penalty": 1.1}',
+        "--extra-body", '{"seed": 3, "repetition_penalty": 1.1}', "--sampling-check", "off",
     ))  # fmt: skip
     assert result.exit_code == 0, result.output
     [received] = server.received
@@ -338,7 +338,8 @@ def test_generate_records_its_job_beside_the_output(
     server: FakeOpenAIServer, prompts: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "o.jsonl"
-    assert invoke(*generate(server, prompts, out, "--group-size", 2, "--top-k", 5)).exit_code == 0
+    common = generate(server, prompts, out, "--group-size", 2, "--top-k", 5)
+    assert invoke(*common, "--sampling-check", "off").exit_code == 0
     record = json.loads((tmp_path / "o.jsonl.job.json").read_text())
     assert record["command"] == "generate"
     settings = record["settings"]
@@ -691,3 +692,29 @@ def test_strict_token_ids_fail_against_a_server_that_ignores_them(
     assert "--token-ids" in result.output
     help_text = " ".join(invoke("generate", "--help").output.split())
     assert "refuses it or returns none" in help_text
+
+
+def test_generate_sampling_check_raise_names_the_flag_and_sends_no_group(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "o.jsonl"
+    common = generate(server, prompts, out, "--group-size", 2, "--top-p", 0.5)
+    result = invoke(*common, "--sampling-check", "raise")
+    assert result.exit_code != 0
+    assert "top_p=0.5 without a sampling mask" in result.stderr
+    assert "--return-sampling-mask" in result.stderr
+    assert not out.exists()
+    # Only the probe's requests reached the server: no group was generated.
+    assert all(request.body.get("max_tokens") == 1 for request in server.received)
+
+
+def test_generate_seed_gives_each_request_its_own_replayable_seed(
+    server: FakeOpenAIServer, prompts: Path, tmp_path: Path
+) -> None:
+    for name in ("a.jsonl", "b.jsonl"):
+        common = generate(server, prompts, tmp_path / name, "--group-size", 2, "--seed", 3)
+        assert invoke(*common).exit_code == 0
+    seeds = [request.body["seed"] for request in server.received]
+    half = len(seeds) // 2
+    assert len(set(seeds[:half])) == half  # every request of a run has its own
+    assert sorted(seeds[:half]) == sorted(seeds[half:])  # and a rerun sends the same

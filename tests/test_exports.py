@@ -12,12 +12,13 @@ Head2HeadRolloutRequest EvaluationRequest Rollout TokenRollout RolloutGroup Cont
 EvaluationResult RewardEvaluationResult EvaluationResponse structure unstructure ValidationError
 dump_jsonl load_jsonl Agent RolloutGenerator TokenizedRolloutGenerator ContrastiveRolloutGenerator
 EvaluationAgent GroupedRolloutGenerator blocking_grouped_rollouts WeightedTask WeightedMultiTask
-pass_at_k
+pass_at_k SamplingSpan SamplingBiasWarning SamplingBiasError
 InferenceInterface ReturnsRaw ReturnsTokens ReturnsLogProbs InferenceRequest InferenceResponse
 """.split()
 
 INFERENCE_NAMES = """
 InferenceInterface InferenceRequest InferenceResponse ReturnsRaw ReturnsTokens ReturnsLogProbs
+ReplicaProbe
 """.split()
 
 TESTING_NAMES = """

@@ -46,12 +46,15 @@ from ._models import RewardEvaluationResult as RewardEvaluationResult
 from ._models import Rollout as Rollout
 from ._models import RolloutGroup as RolloutGroup
 from ._models import RolloutRequest as RolloutRequest
+from ._models import SamplingSpan as SamplingSpan
 from ._models import TokenRollout as TokenRollout
 from ._multitask import MultiTaskEvaluationResponse as MultiTaskEvaluationResponse
 from ._multitask import WeightedMultiTask as WeightedMultiTask
 from ._multitask import WeightedTask as WeightedTask
 from ._prompts import PromptSource as PromptSource
 from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
+from ._sampling import SamplingBiasError as SamplingBiasError
+from ._sampling import SamplingBiasWarning as SamplingBiasWarning
 from ._stream import RolloutStream as RolloutStream
 from ._training import TrainingBatch as TrainingBatch
 from ._weight_update import WeightUpdate as WeightUpdate
@@ -69,6 +72,7 @@ from .inference import ReturnsRaw as ReturnsRaw
 from .inference import ReturnsTokens as ReturnsTokens
 from .inference import TokenMismatchError as TokenMismatchError
 from .inference import WeightUpdateError as WeightUpdateError
+from .inference._sampling import ReplicaProbe as ReplicaProbe
 from .renderers import AssistantTurn as AssistantTurn
 from .renderers import HFRenderer as HFRenderer
 from .renderers import PlainRenderer as PlainRenderer

@@ -28,6 +28,9 @@ class Draw(NamedTuple):
     settle: Callable[[int, str, bool], None]
     epoch: int
     problem_id: str
+    #: How many times this (epoch, problem) was given back before this draw, in the
+    #: source's life in this process (request seeds tell the draws apart by it).
+    again: int = 0
 
 
 #: The draws of the ``group_rollout`` call running in this task (set by the pipeline).

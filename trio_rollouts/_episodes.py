@@ -50,7 +50,8 @@ from ._environment import (
 from ._failure import StepTimeoutError
 from ._gate import call_start_epoch
 from ._messages import ChatMessage
-from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, TokenRollout
+from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, SamplingSpan, TokenRollout
+from ._sampling import request_seed, sampling_span, seeded
 from .inference._errors import TokenMismatchError
 from .inference._interface import (
     InferenceInterface,
@@ -168,6 +169,8 @@ class _Element:
     policy_epoch: list[tuple[int, int]] = attrs.field(factory=list)
     kv_cache_epoch: list[tuple[int, int]] = attrs.field(factory=list)
     evictions: int = 0
+    #: How each turn's ids were sampled (one span per turn that sampled ids).
+    sampling: list[SamplingSpan] = attrs.field(factory=list)
 
     @classmethod
     def scaffold(cls, ids: list[int]) -> _Element:
@@ -425,7 +428,7 @@ class _Episode:
                     f"{', '.join(missing)} (subclass BaseEnvironment)"
                 )
                 raise TypeError(msg)
-        run = _Run(self, env)
+        run = _Run(self, env, member)
         try:
             rollout = await run.episode()
         except BaseException as exc:
@@ -476,6 +479,7 @@ class _Run:
 
     shared: _Episode
     env: Environment
+    member: int
     elements: list[_Element] = attrs.field(factory=list)
     conversation: list[ChatMessage] = attrs.field(factory=list)
     tools: list[dict[str, Any]] | None = None
@@ -581,6 +585,11 @@ class _Run:
                 args, max_tokens=left if args.max_tokens is None else min(args.max_tokens, left)
             )
         kind = self.shared.fidelity
+        if request.seed is not None:
+            seed = request_seed(
+                request, interface, self.shared.problem.problem_id, self.member, self.turns
+            )
+            args = seeded(args, seed)
         inference_request = InferenceRequest(
             prompt=list(self.conversation),
             tools=self.tools,
@@ -625,6 +634,8 @@ class _Run:
             self.fidelity = min(self.fidelity, kind, key=_RANK.__getitem__)
         offset = len(element.ids)
         element.sampled(sampled, logprobs, response)
+        if sampled:
+            element.sampling.append(sampling_span(offset, args, response))
         if not response.policy_epoch and sampled:
             element.unstamped(self.shared.start_epoch, offset)
         elif not element.policy_epoch:
@@ -765,6 +776,7 @@ class _Run:
             else [],
             num_evictions=[element.evictions for element in elements],
             fidelity=self.fidelity,
+            sampling=[element.sampling for element in elements],
             extra={
                 "episode": {
                     "turns": self.turns,

@@ -28,6 +28,7 @@ from ._checks import is_real as _is_real
 from ._checks import optional_int_at_least as _optional_int_at_least
 from ._messages import ChatMessage, GenerationArgs, LLMChatMessage, Record
 from .inference._interface import InferenceInterface
+from .inference._sampling import LOGPROBS_MODES
 
 __all__ = [
     "ChatMessage",
@@ -45,6 +46,7 @@ __all__ = [
     "Rollout",
     "RolloutGroup",
     "RolloutRequest",
+    "SamplingSpan",
     "TokenRollout",
     "as_problem",
 ]
@@ -88,6 +90,25 @@ def _check_generation_args(
         raise TypeError(msg)
 
 
+#: What :attr:`GroupedRolloutRequest.sampling_check` may say.
+SAMPLING_CHECKS = ("warn", "raise", "off")
+
+
+def _check_sampling_check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in SAMPLING_CHECKS:
+        allowed = ", ".join(repr(check) for check in SAMPLING_CHECKS)
+        msg = f"sampling_check must be one of {allowed}, got {value!r:.40}"
+        raise ValueError(msg)
+
+
+def _check_run_seed(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not _is_int(value):
+        msg = f"seed must be an int or None (the run's seed), got {value!r:.40}"
+        raise TypeError(msg)
+
+
 @attrs.define(kw_only=True)
 class Request:
     """Base of every request to an agent: the generation arguments to use."""
@@ -117,7 +138,19 @@ class GroupedRolloutRequest(Request):
     :class:`~trio_rollouts.inference.Pausable`, else 0; an explicit value is given to a
     Pausable interface when the stream opens). ``max_staleness`` bounds how many epochs
     older than the stream's a delivered group's ``start_epoch`` may be (``None``: no
-    bound)."""
+    bound).
+
+    What the server says about each sample: ``sampling_check`` (``"warn"``, the
+    default, ``"raise"`` or ``"off"``) says what to do when the stream opens and a
+    replica would return log-probabilities that are not those of the distribution it
+    sampled from (raw logprobs with ``temperature != 1``; ``top_p < 1`` or ``top_k``
+    without a sampling mask): one :class:`~trio_rollouts.SamplingBiasWarning` per replica
+    and combination, or :class:`~trio_rollouts.SamplingBiasError` before any work.
+    ``seed``: the run's seed; when set, every inference request gets a seed of its own,
+    a stable hash of (``seed``, the epoch it starts under, the problem's id, the member's
+    index in its group, the turn, the continuation), so a replayed or resumed run sends
+    the same seeds and no two requests of a run share one (``None``: no seed is sent,
+    unless ``generation_args.seed`` sets one for every request)."""
 
     num_groups: int = attrs.field(validator=_int_at_least(1))
     rollouts_per_group: int = attrs.field(validator=_int_at_least(1))
@@ -128,6 +161,8 @@ class GroupedRolloutRequest(Request):
     enforce_order: bool = attrs.field(default=False, validator=_check_bool)
     initial_epoch: int | None = attrs.field(default=None, validator=_optional_int_at_least(0))
     max_staleness: int | None = attrs.field(default=None, validator=_optional_int_at_least(0))
+    sampling_check: str = attrs.field(default="warn", validator=_check_sampling_check)
+    seed: int | None = attrs.field(default=None, validator=_check_run_seed)
 
 
 def _check_interface_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -246,6 +281,65 @@ def _check_fidelity(instance: object, attribute: attrs.Attribute[Any], value: ob
         raise ValueError(msg)
 
 
+def _check_span_start(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not _is_int(value):
+        msg = f"SamplingSpan.start must be an int >= 0 (an element position), got {value!r:.40}"
+        raise TypeError(msg)
+    if value < 0:  # type: ignore[operator]
+        msg = f"SamplingSpan.start must be an int >= 0 (an element position), got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_span_args(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, GenerationArgs):
+        msg = f"SamplingSpan.args must be a GenerationArgs, got {value!r:.80}"
+        raise TypeError(msg)
+
+
+def _check_span_seed(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not _is_int(value):
+        msg = f"SamplingSpan.seed must be an int or None, got {value!r:.40}"
+        raise TypeError(msg)
+
+
+def _check_logprobs_mode(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in LOGPROBS_MODES:
+        allowed = ", ".join(repr(mode) for mode in LOGPROBS_MODES)
+        msg = f"SamplingSpan.logprobs_mode must be one of {allowed}, got {value!r:.40}"
+        raise ValueError(msg)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingSpan:
+    """How a run of generated ids was sampled: from element position ``start`` on (the
+    position of its first generated id, prompt included), with ``args`` (the request's
+    :class:`GenerationArgs`, as sent), the request's ``seed`` (``None``: none was sent)
+    and the server's ``logprobs_mode`` (``"processed"``, ``"raw"`` or ``"unknown"``; see
+    :class:`~trio_rollouts.inference.ReplicaProbe`). ``sampling_mask``: the server's
+    record of the tokens its sampler kept, when it sent one (vLLM's
+    ``--return-sampling-mask``), else ``None`` and left out of JSON."""
+
+    start: int = attrs.field(validator=_check_span_start)
+    args: GenerationArgs = attrs.field(factory=GenerationArgs, validator=_check_span_args)
+    seed: int | None = attrs.field(default=None, validator=_check_span_seed)
+    logprobs_mode: str = attrs.field(default="unknown", validator=_check_logprobs_mode)
+    sampling_mask: Any = attrs.field(default=None, metadata={"omit_if_none": True})
+
+
+def _check_sampling(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(
+        isinstance(spans, list) and all(isinstance(span, SamplingSpan) for span in spans)
+        for spans in value
+    ):
+        msg = (
+            "sampling must be None or a list (one per trajectory element) of lists of "
+            f"SamplingSpan, got {value!r:.80}"
+        )
+        raise TypeError(msg)
+
+
 @attrs.define(kw_only=True)
 class TokenRollout(Record):
     """A tokenized rollout: token ids per trajectory element, which of them the policy
@@ -255,6 +349,11 @@ class TokenRollout(Record):
     backend sampled from ids it was given, ``"server_tokens"`` when the server rendered
     the chat and returned its ids, ``"retokenized"`` when the text was tokenized again;
     ``None`` elsewhere, and then left out of :func:`~trio_rollouts.unstructure`'s output.
+
+    ``sampling``: per trajectory element, the :class:`SamplingSpan` of each run of
+    generated ids sampled alike (one per turn; a single-turn rollout has one at its
+    prompt length): the generation arguments, seed and log-probability mode the ids were
+    sampled with; ``None`` when unknown (and then left out of JSON).
 
     ``logprobs[i]`` holds one value per *generated* token of element ``i`` (the ``True``
     entries of ``generation_mask[i]``; every token when there is no mask), as inference
@@ -273,9 +372,14 @@ class TokenRollout(Record):
     fidelity: str | None = attrs.field(
         default=None, validator=_check_fidelity, metadata={"omit_if_none": True}
     )
+    sampling: list[list[SamplingSpan]] | None = attrs.field(
+        default=None, validator=_check_sampling, metadata={"omit_if_none": True}
+    )
 
     def __attrs_post_init__(self) -> None:
         n = len(self.trajectory)
+        if self.sampling is not None:
+            _per_element("sampling", self.sampling, n)
         if self.generation_mask is not None:
             if len(self.generation_mask) != n:
                 msg = (

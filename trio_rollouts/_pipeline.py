@@ -152,6 +152,7 @@ from ._ledger import EnvironmentCounters, Ledger
 from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._models import checked_group as prechecked_group
 from ._order import BatchOrder
+from ._sampling import call_attempt, call_slot, check_sampling
 from ._slots import PARKED, SENT, Slots
 from ._stream import RolloutStream, discard_untaken, open_stream
 from .inference import Pausable
@@ -286,6 +287,7 @@ class Pipeline:
         "request",
         "result_epoch",
         "same_reward_groups",
+        "seeded",
         "send_channel",
         "skipping",
         "slots",
@@ -336,6 +338,8 @@ class Pipeline:
         )
         self.group_timeout = self.policy.group_timeout
         self.may_retry = self.policy.max_attempts > 1
+        # Whether request seeds are derived per group (they need its slot).
+        self.seeded = request.seed is not None
         self.skipping = self.policy.on_failure == "skip"
         # Whether the gate's watchdog times the fast path's first attempts.
         self.timed = self.fast and self.group_timeout is not None
@@ -470,6 +474,7 @@ class Pipeline:
         timed = self.timed
         call_epoch = self.call_epoch
         set_start_epoch = call_start_epoch.set
+        seeded = self.seeded
         # How this worker last stopped waiting, for Slots.claim's books: PARKED or SENT
         # (unparked, or woken from a full channel's send, to claim next), or 0.
         woken = 0
@@ -520,6 +525,8 @@ class Pipeline:
                     ledger.in_flight += 1
                     epoch = call_epoch[number] = gate.epoch
                     set_start_epoch(epoch)
+                    if seeded:
+                        call_slot.set(slot)
                     if timed:
                         gate.start_clock(number)
                     failure: BaseException | None = None
@@ -727,6 +734,8 @@ class Pipeline:
         ledger.in_flight += 1
         epoch = self.call_epoch[number] = gate.epoch
         call_start_epoch.set(epoch)
+        if self.seeded:
+            call_slot.set((batch_id, index))
         if env is not None:
             env.started += 1
         try:
@@ -817,12 +826,17 @@ class Pipeline:
                     waiting = False
                     ledger.waiting_to_retry -= 1
                     ledger.retries += 1
+                    # Seeds derived per request (GroupedRolloutRequest.seed) differ
+                    # from the failed attempt's.
+                    attempt_number = call_attempt.set(attempt.num)
                     try:
                         return await self.attempt(batch_id, index, env, number)
                     except Exception:
                         waiting = True
                         ledger.waiting_to_retry += 1
                         raise
+                    finally:
+                        call_attempt.reset(attempt_number)
         except BaseException as exc:
             if waiting and not isinstance(exc, Exception):
                 # Cancelled while waiting out the backoff: the slot is abandoned at
@@ -995,6 +1009,7 @@ async def open_grouped_rollouts(
         epoch = request.initial_epoch
         if isinstance(interface, Pausable):
             await interface.resume(request.initial_epoch)
+    await check_sampling(request, type(agent).__name__)
     pipeline = Pipeline(agent, request, hooks, epoch)
     stream = open_stream(pipeline)
     consumer_errors: list[BaseException] = []  # the body's own exception is not flattened

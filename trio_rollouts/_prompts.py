@@ -94,6 +94,9 @@ class PromptSource:
         # gave them back in, a seed fixes the order they come again); and draws out (in
         # flight, or groups not yet done), in the order they were drawn.
         self._again: list[tuple[int, int, str]] = []
+        # How many times each draw not done yet was given back (not in checkpoints: a
+        # resumed run draws it as the first time, as the run it replays did).
+        self._given_back: dict[tuple[int, str], int] = {}
         self._out: dict[tuple[int, str], None] = {}
         self._ranks: dict[int, dict[str, int]] = {}
 
@@ -170,7 +173,7 @@ class PromptSource:
             self._out[key] = None
         draws = current_draws.get()
         if draws is not None:
-            draws.append(Draw(self._settle, key[0], key[1]))
+            draws.append(Draw(self._settle, key[0], key[1], self._given_back.get(key, 0)))
         return self._problems[self._index[key[1]]]
 
     def _settle(self, epoch: int, problem_id: str, done: bool) -> None:
@@ -180,7 +183,10 @@ class PromptSource:
             if key not in self._out:
                 return
             del self._out[key]
-            if not done:
+            if done:
+                self._given_back.pop(key, None)
+            else:
+                self._given_back[key] = self._given_back.get(key, 0) + 1
                 bisect.insort(self._again, (epoch, self._rank(epoch, problem_id), problem_id))
 
     def _rank(self, epoch: int, problem_id: str) -> int:
@@ -291,6 +297,7 @@ class PromptSource:
             self._ranks = {}
             self._again = sorted((e, self._rank(e, pid), pid) for e, pid in again)
             self._out = {}
+            self._given_back = {}
 
     # ---------------------------------------------------------------- sharding
 

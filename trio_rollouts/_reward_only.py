@@ -24,8 +24,10 @@ import numpy as np
 
 from ._agents import GroupedRolloutGenerator
 from ._concurrency import gather_bounded
+from ._messages import GenerationArgs
 from ._models import GroupedRolloutRequest, Problem, Rollout, TokenRollout
-from .inference import InferenceInterface, InferenceResponse, ReturnsTokens
+from ._sampling import request_seed, sampling_span, seeded
+from .inference import InferenceInterface, InferenceRequest, InferenceResponse, ReturnsTokens
 from .inference._interface import require_raw
 
 __all__ = [
@@ -117,8 +119,27 @@ def _returns_tokens(interface: InferenceInterface, responses: list[InferenceResp
     )
 
 
+def _element_boundaries(
+    boundaries: list[tuple[int, int]], prompt_length: int
+) -> list[list[tuple[int, int]]]:
+    """A response's ``(generated index, epoch)`` boundaries as element positions: the
+    first covers the prompt (position 0), the others move by the prompt's length."""
+    if not boundaries:
+        return []
+    return [
+        [
+            (0 if i == 0 else prompt_length + start, epoch)
+            for i, (start, epoch) in enumerate(boundaries)
+        ]
+    ]
+
+
 def _token_rollout(
-    response: InferenceResponse, reward: float, env_id: str, problem_id: str
+    response: InferenceResponse,
+    reward: float,
+    env_id: str,
+    problem_id: str,
+    args: GenerationArgs | None = None,
 ) -> TokenRollout:
     token_ids = list(response.token_ids or [])
     prompt_length = response.prompt_length or 0
@@ -146,9 +167,10 @@ def _token_rollout(
         logprobs=logprobs,
         env_id=env_id,
         problem_id=problem_id,
-        policy_epoch=[list(response.policy_epoch)] if response.policy_epoch else [],
-        kv_cache_epoch=[list(response.kv_cache_epoch)] if response.kv_cache_epoch else [],
+        policy_epoch=_element_boundaries(response.policy_epoch, prompt_length),
+        kv_cache_epoch=_element_boundaries(response.kv_cache_epoch, prompt_length),
         num_evictions=[response.num_evictions],
+        sampling=None if args is None else [[sampling_span(prompt_length, args, response)]],
         extra=_response_extra(response),
     )
 
@@ -190,18 +212,23 @@ def build_rollouts(
     problem: Problem,
     scored: list[tuple[InferenceResponse, float]],
     env_id: str,
+    args: list[GenerationArgs] | None = None,
 ) -> list[Rollout] | list[TokenRollout]:
     """The rollouts of one group from its scored responses, in order.
 
     :class:`TokenRollout` objects when ``interface`` is ``ReturnsTokens`` and every
     response carries ``token_ids`` and ``prompt_length`` (the ``generation_mask`` marks
-    the tokens after the prompt, ``logprobs`` are the response's); otherwise
-    :class:`Rollout` objects whose trajectory is the response's ``raw_text``. A group is
-    never a mix of the two.
+    the tokens after the prompt, ``logprobs`` are the response's, ``policy_epoch``
+    boundaries are element positions, and with ``args``, each response's generation
+    arguments as sent, ``sampling`` records them); otherwise :class:`Rollout` objects
+    whose trajectory is the response's ``raw_text``. A group is never a mix of the two.
     """
     responses = [response for response, _ in scored]
     if _returns_tokens(interface, responses):
-        return [_token_rollout(r, reward, env_id, problem.problem_id) for r, reward in scored]
+        return [
+            _token_rollout(r, reward, env_id, problem.problem_id, None if args is None else args[i])
+            for i, (r, reward) in enumerate(scored)
+        ]
     return [_text_rollout(r, reward, env_id, problem.problem_id) for r, reward in scored]
 
 
@@ -291,17 +318,37 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         interface = request.inference_interface
         require_raw(interface, type(self).__name__)
         inference_request = interface.prepare_request(problem.prompt, request.generation_args)
+        size = request.rollouts_per_group
+        if request.seed is None:
+            requests = [inference_request] * size
+        else:
+            # One seed per member: the same prompt, sampled differently and replayably.
+            requests = [
+                attrs.evolve(
+                    inference_request,
+                    generation_args=seeded(
+                        request.generation_args,
+                        request_seed(request, interface, problem.problem_id, member),
+                    ),
+                )
+                for member in range(size)
+            ]
 
-        async def one() -> tuple[InferenceResponse, float]:
-            response = await interface.agenerate(inference_request)
-            reward = _check_reward(await self.get_reward(problem, response), problem, self.env_id)
-            return response, reward
+        def one(sent: InferenceRequest) -> Callable[[], Awaitable[tuple[InferenceResponse, float]]]:
+            async def call() -> tuple[InferenceResponse, float]:
+                response = await interface.agenerate(sent)
+                reward = _check_reward(
+                    await self.get_reward(problem, response), problem, self.env_id
+                )
+                return response, reward
 
-        calls: list[Callable[[], Awaitable[tuple[InferenceResponse, float]]]] = [
-            one
-        ] * request.rollouts_per_group
-        scored = await gather_bounded(calls, request.rollouts_per_group)
-        rollouts = build_rollouts(interface, problem, scored, self.env_id)
+            return call
+
+        calls = [one(sent) for sent in requests]
+        scored = await gather_bounded(calls, size)
+        rollouts = build_rollouts(
+            interface, problem, scored, self.env_id, [sent.generation_args for sent in requests]
+        )
         for index, (response, _) in enumerate(scored):
             self.annotate_rollout(rollouts[index], response)
         return rollouts

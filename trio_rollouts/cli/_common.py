@@ -550,6 +550,7 @@ def openai_interface(
     token_ids: bool | None,
     logprobs: bool | None,
     extra_body: dict[str, Any] | None,
+    server: str | None = None,
 ) -> OpenAIInference:
     """The server options as an :class:`~trio_rollouts.OpenAIInference`; what it refuses
     is a usage error."""
@@ -565,6 +566,7 @@ def openai_interface(
             return_token_ids=token_ids,
             return_logprobs=logprobs,
             extra_body=dict(extra_body or {}),
+            server=server,  # type: ignore[arg-type]  # click.Choice checked it
         )
     except (TypeError, ValueError) as exc:
         text = one_line(exc)

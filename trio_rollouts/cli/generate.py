@@ -226,6 +226,30 @@ def _tally_line(tally: _GenerateTally) -> str:
     default=None,
     help="env_id stamped on the rollouts [default: the prompt file's name].",
 )
+@click.option(
+    "--server",
+    type=click.Choice(["vllm", "sglang"]),
+    default=None,
+    help="The server's kind: 'vllm' uses vLLM's native /inference/v1/generate where the "
+    "server serves it (--enable-scale-out), which stamps the policy version of every token "
+    "[default: any OpenAI-compatible server].",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The run's seed: every request gets a seed of its own derived from it (problem, "
+    "member), so a rerun or --resume sends the same seeds [default: no seed].",
+)
+@click.option(
+    "--sampling-check",
+    type=click.Choice(["warn", "raise", "off"]),
+    default="warn",
+    show_default=True,
+    help="When the sampling flags and the server's logprobs give biased importance ratios "
+    "(raw logprobs with --temperature other than 1; --top-p/--top-k without a sampling "
+    "mask): warn, fail before any request, or say nothing.",
+)
 @reports_errors
 def generate(
     base_url: tuple[str, ...],
@@ -251,6 +275,9 @@ def generate(
     resume: bool,
     overwrite: bool,
     env_id: str | None,
+    server: str | None,
+    seed: int | None,
+    sampling_check: str,
 ) -> None:
     """Grouped rollouts from an OpenAI-compatible server to a JSON-lines file.
 
@@ -281,6 +308,7 @@ def generate(
         "extra_body": extra_body,
         "token_ids": token_ids,
         "logprobs": logprobs,
+        "seed": seed,
     }
     stderr = stderr_console()
     skipped = 0
@@ -312,6 +340,7 @@ def generate(
         token_ids=token_ids,
         logprobs=logprobs,
         extra_body=extra_body,
+        server=server,
     )
     tally = _GenerateTally(check_identical=temperature != 0)
     note = unbounded_completions_note(max_tokens, timeout)
@@ -341,6 +370,8 @@ def generate(
                 inference_interface=interface,
                 streaming=True,
                 generation_args=args,
+                seed=seed,
+                sampling_check=sampling_check,
             )
 
             def on_retry(details: RetryDetails) -> None:
