@@ -8,6 +8,10 @@ A tiny Llama is trained with PyTorch in this process while vLLM generates with i
   pushes the new weights inside ``stream.weight_update("keep")``: save them, and have
   vLLM load them (``POST /collective_rpc`` ``reload_weights``);
 - ``max_staleness=1``: no group trains on weights more than one step old;
+- on a server started with ``--enable-scale-out``, calls go through vLLM's native
+  ``/inference/v1/generate``, which stamps the policy version of every token: a group
+  whose generation spanned a weight push carries the exact token where the weights
+  changed, and the run reports how many did (elsewhere they count as ``mixed``);
 - prompts come from a ``PromptSource``; a checkpoint (weights, optimizer, the source's
   state, the history) is written every few steps, and ``--resume`` goes on from it.
 
@@ -157,11 +161,21 @@ async def train(options: argparse.Namespace) -> list[dict[str, float]]:
         max_staleness=1,
         initial_epoch=len(history),
     )
+    for probe in await interface.probe():
+        print(
+            f"{probe.base_url}: logprobs {probe.logprobs_mode}, native generate "
+            f"{'yes' if probe.native_generate else 'no'}"
+        )
+    spanned = 0  # groups with a rollout whose tokens span a weight push, stamped exactly
     print("step  reward  exact  stale     loss      gap  push s")
     async with agent.get_grouped_rollouts(request) as stream:
         while len(history) < options.steps:
             batch = [await stream.receive() for _ in range(GROUPS_PER_STEP)]
             staleness = [stream.policy_epoch - group.start_epoch for group in batch]
+            spanned += sum(
+                any(len(rollout.policy_epoch[0]) > 1 for rollout in group if rollout.policy_epoch)
+                for group in batch
+            )
             # Generation goes on while the trainer computes the step.
             stats = await trio.to_thread.run_sync(trainer.step, batch)
             started = time.monotonic()
@@ -191,7 +205,8 @@ async def train(options: argparse.Namespace) -> list[dict[str, float]]:
         statistics = stream.statistics()
     print(
         f"stream: {statistics.weight_updates} updates, {statistics.stale} stale calls "
-        f"dropped, {statistics.mixed} groups across an update, unaccounted "
+        f"dropped, {statistics.mixed} groups across an update without exact stamps, "
+        f"{spanned} groups across an update stamped exactly, unaccounted "
         f"{statistics.unaccounted}"
     )
     return history

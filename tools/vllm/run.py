@@ -4,19 +4,25 @@
 
 1. builds a tiny random Llama offline (``tools/real_server/build_tiny_llama.py``, 2 heads:
    vLLM's CPU attention needs a head size of 32 or more) in a temporary folder;
-2. serves it with ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (a free
-   port, ``VLLM_SERVER_DEV_MODE=1`` for ``/pause``) and counts it ready only once it
-   answers ``/health`` *and* one short completion (a model vLLM cannot run passes
-   ``/health`` and dies at the first request);
+2. serves it with ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 twice,
+   one server per core (free ports, ``VLLM_SERVER_DEV_MODE=1`` for ``/pause``): one with
+   ``--enable-scale-out`` (vLLM's RL interface; raw logprobs, the default), one with
+   ``--logprobs-mode processed_logprobs``; each counts ready only once it answers
+   ``/health`` *and* one short completion (a model vLLM cannot run passes ``/health``
+   and dies at the first request);
 3. runs ``trio-rollouts generate`` and ``trio-rollouts eval`` with default flags and
    checks the outputs, token ids and logprobs included;
 4. runs the library suite (``checks.py``): token ids and logprobs against a re-score,
    every weight-update mode through the real ``/pause`` and ``/resume``, the KV and prefix
    cache kept under ``keep``, exact continuations under ``abort``, nothing generated
    while paused and nothing left paused on any route;
-5. runs ``examples/vllm/grpo.py`` against the same server (GRPO that learns; skip it
+5. runs ``sampling_checks.py`` on both servers: the probe tells them apart, a keep update
+   mid-generation gives a boundary inside the generated ids with ``mixed == 0``, the
+   fallback to ``/v1/completions`` works, biased combinations are flagged, seeds replay,
+   and leaving a stream stops generation on the server;
+6. runs ``examples/vllm/grpo.py`` against the same server (GRPO that learns; skip it
    with ``--no-grpo``) and checks that its reward rises;
-6. always stops the server and its engine process (SIGTERM to its process group, then
+7. always stops the servers and its engine process (SIGTERM to its process group, then
    SIGKILL after ``STOP_TIMEOUT`` seconds).
 
     python tools/vllm/run.py [--keep DIR] [--no-grpo]
@@ -60,6 +66,7 @@ from run import (
     step,
     tail,
 )
+from sampling_checks import run_sampling_checks
 
 HERE = Path(__file__).parent
 #: Seconds for vLLM to start (50-100 s here) and answer its first completion.
@@ -70,13 +77,25 @@ STOP_TIMEOUT = 30.0
 VLLM_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # mounts /pause, /resume, /is_paused, /collective_rpc
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
-    "VLLM_CPU_OMP_THREADS_BIND": "0",  # no pinning: the machine is shared
+    # The cores each server's engine binds its threads to: set per server (SERVERS).
 }
 
 
-@contextlib.contextmanager
-def serving(model_dir: Path, log_path: Path) -> Iterator[VLLM]:
-    """Run vLLM's OpenAI server for the block; yield it once it has completed a request."""
+#: The two servers: the library's main one serves vLLM's RL interface
+#: (``--enable-scale-out``: ``/inference/v1/generate`` with per-token weight versions)
+#: and its default raw logprobs; the other serves processed logprobs and no RL
+#: interface (the probe must tell them apart, and the client falls back there). One
+#: core each.
+SERVERS = {
+    "scale-out": (["--enable-scale-out"], "0"),
+    "processed": (["--logprobs-mode", "processed_logprobs"], "1"),
+}
+
+
+def launch(
+    model_dir: Path, log_path: Path, flags: list[str], core: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start vLLM's OpenAI server with ``flags``, bound to ``core``; its process and root."""
     port = free_port()
     command = [
         sys.executable,
@@ -99,6 +118,7 @@ def serving(model_dir: Path, log_path: Path) -> Iterator[VLLM]:
         # logprobs up to 2e-3 off the re-score's after 440 decode steps on this machine.
         "--dtype",
         "float32",
+        *flags,
     ]
     print("$", " ".join(command), flush=True)
     with log_path.open("wb") as log:
@@ -106,15 +126,28 @@ def serving(model_dir: Path, log_path: Path) -> Iterator[VLLM]:
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **OFFLINE, **VLLM_ENV},
+            env={**os.environ, **OFFLINE, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": core},
             start_new_session=True,  # its engine core is a child process: stop both
         )
-    try:
-        root = f"http://{HOST}:{port}"
-        wait_until_ready(server, root, str(model_dir), log_path)
-        yield VLLM(root=root, model=str(model_dir))
-    finally:
-        stop(server)
+    return server, f"http://{HOST}:{port}"
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, work: Path) -> Iterator[dict[str, VLLM]]:
+    """Run the :data:`SERVERS` for the block, started at once; yield them by name once
+    each has completed a request."""
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, VLLM] = {}
+        started = {}
+        for name, (flags, core) in SERVERS.items():
+            log_path = work / f"server-{name}.log"
+            server, root = launch(model_dir, log_path, flags, core)
+            stack.callback(stop, server)
+            started[name] = (server, root, log_path)
+        for name, (server, root, log_path) in started.items():
+            wait_until_ready(server, root, str(model_dir), log_path)
+            servers[name] = VLLM(root=root, model=str(model_dir))
+        yield servers
 
 
 def stop(server: subprocess.Popen[bytes]) -> None:
@@ -196,10 +229,11 @@ def main(work: Path, grpo: bool) -> None:
     prompts.write_text("".join(json.dumps(row) + "\n" for row in PROBLEMS), encoding="utf-8")
     timings["build"] = time.monotonic() - started
 
-    step("start vLLM")
+    step("start two vLLM servers (one per core)")
     mark = time.monotonic()
-    with serving(model_dir, work / "server.log") as vllm:
+    with serving(model_dir, work) as servers:
         timings["server start"] = time.monotonic() - mark
+        vllm = servers["scale-out"]
         model = str(get_json(f"{vllm.base_url}/models")["data"][0]["id"])  # type: ignore[index]
         check(model == vllm.model, f"vLLM serves {model!r}")
         check_token_rows(run_cli_checks(vllm.base_url, model, prompts, work, timings))
@@ -208,6 +242,11 @@ def main(work: Path, grpo: bool) -> None:
         mark = time.monotonic()
         trio.run(run_library_checks, vllm)
         timings["library"] = time.monotonic() - mark
+
+        step("what the server says about each sample: the probe, epochs, the check")
+        mark = time.monotonic()
+        trio.run(run_sampling_checks, servers["scale-out"], servers["processed"])
+        timings["sampling"] = time.monotonic() - mark
 
         if grpo:
             step("examples/vllm/grpo.py: GRPO on the running server")
@@ -244,9 +283,8 @@ if __name__ == "__main__":
     try:
         main(folder, not options.no_grpo)
     except (CheckFailed, urllib.error.URLError) as failure:
-        log = folder / "server.log"
-        if log.exists():
-            print(f"\n--- server log (last lines):\n{tail(log)}", file=sys.stderr)
+        for log in sorted(folder.glob("server-*.log")):
+            print(f"\n--- {log.name} (last lines):\n{tail(log)}", file=sys.stderr)
         sys.exit(f"vllm check FAILED: {failure}")
     finally:
         if options.keep is None:
