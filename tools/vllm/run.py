@@ -62,6 +62,7 @@ from run import (
     check,
     free_port,
     get_json,
+    run_cli,
     run_cli_checks,
     step,
     tail,
@@ -209,6 +210,41 @@ def check_token_rows(out: Path) -> None:
     print("generate: every row is a TokenRollout with one logprob per generated token")
 
 
+def check_seeded_cli(
+    base_url: str, model: str, prompts: Path, work: Path, timings: dict[str, float]
+) -> None:
+    """``generate --server vllm --seed 7`` twice: through the RL interface, every row
+    records its own seed and the probed logprobs mode, and the rerun samples the same
+    ids (vLLM seeds each request's sampler)."""
+    step("trio-rollouts generate --server vllm --seed 7 (twice)")
+    rows = []
+    for name in ("seeded-1.jsonl", "seeded-2.jsonl"):
+        out = work / name
+        timings[f"generate {name}"] = run_cli(
+            "generate", "--base-url", base_url, "--model", model, "--prompts", str(prompts),
+            "--out", str(out), "--group-size", "2", "--max-tokens", "12", "--server", "vllm",
+            "--seed", "7",
+        )  # fmt: skip
+        with out.open(encoding="utf-8") as file:
+            groups = list(tr.load_jsonl(file, tr.RolloutGroup))
+        found = {}
+        count = 0
+        for group in groups:
+            for rollout in group:
+                if not isinstance(rollout, tr.TokenRollout) or rollout.sampling is None:
+                    raise CheckFailed(f"a row without a sampling record: {rollout!r:.200}")
+                (span,) = rollout.sampling[0]
+                check(span.seed is not None, "a row without a seed")
+                check(span.logprobs_mode == "raw", f"logprobs_mode {span.logprobs_mode!r}")
+                found[span.seed] = rollout.trajectory[0]
+                count += 1
+        check(len(found) == count, f"{count} rows share {len(found)} seeds")
+        rows.append(found)
+    first, second = rows
+    check(first == second, "the rerun sent other seeds or sampled other ids")
+    print(f"generate --seed: {len(first)} rows, each its own seed, replayed id for id")
+
+
 def check_reward_rises(history_path: Path) -> None:
     """The last quarter of the steps earns clearly more than the first (measured here:
     about 0.13 then 0.98 over 40 steps)."""
@@ -237,6 +273,7 @@ def main(work: Path, grpo: bool) -> None:
         model = str(get_json(f"{vllm.base_url}/models")["data"][0]["id"])  # type: ignore[index]
         check(model == vllm.model, f"vLLM serves {model!r}")
         check_token_rows(run_cli_checks(vllm.base_url, model, prompts, work, timings))
+        check_seeded_cli(vllm.base_url, model, prompts, work, timings)
 
         step("the library against vLLM")
         mark = time.monotonic()

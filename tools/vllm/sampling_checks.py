@@ -34,6 +34,9 @@ import trio_rollouts as tr
 
 #: Generated tokens of a long call (with ``ignore_eos``).
 LONG = 300
+#: Generated tokens of the call a pause must land in (a 300-token call finished before
+#: the pause once, on an idle machine).
+LONGER = 900
 #: Seconds the server's token counter is watched after a stream is left.
 LEAVE_HOLD = 2.0
 
@@ -80,7 +83,7 @@ async def check_boundary(vllm: VLLM) -> str:
     for mode in ("keep", "abort"):
         epoch = interface.policy_epoch
         request = interface.prepare_request(
-            f"Tell a long story ({mode}).", tr.GenerationArgs(max_tokens=LONG, seed=11)
+            f"Tell a long story ({mode}).", tr.GenerationArgs(max_tokens=LONGER, seed=11)
         )
         responses: list[tr.InferenceResponse] = []
 
@@ -98,14 +101,14 @@ async def check_boundary(vllm: VLLM) -> str:
             await interface.resume(epoch + 1)
         (response,) = responses
         ids, start = response.token_ids or [], response.prompt_length or 0
-        check(len(ids) - start == LONG, f"{mode}: {len(ids) - start} tokens, not {LONG}")
+        check(len(ids) - start == LONGER, f"{mode}: {len(ids) - start} tokens, not {LONGER}")
         stamps = response.policy_epoch
         check(
             len(stamps) == 2 and stamps[0] == (0, epoch) and stamps[1][1] == epoch + 1,
             f"{mode}: policy_epoch {stamps}",
         )
-        check(0 < stamps[1][0] < LONG, f"{mode}: the boundary {stamps[1]} is not inside")
-        boundaries.append(f"{mode} at generated token {stamps[1][0]} of {LONG}")
+        check(0 < stamps[1][0] < LONGER, f"{mode}: the boundary {stamps[1]} is not inside")
+        boundaries.append(f"{mode} at generated token {stamps[1][0]} of {LONGER}")
     check(interface.stamps_policy_epoch, "the interface does not say it stamps epochs")
     await interface.aclose()
     return "; ".join(boundaries)
