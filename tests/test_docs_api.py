@@ -28,6 +28,7 @@ MODULES = {
     "trio_rollouts.envs": "trio_rollouts/envs/__init__.py",
     "trio_rollouts.testing": "trio_rollouts/testing.py",
     "trio_rollouts.ray": "trio_rollouts/ray.py",
+    "trio_rollouts.gateway": "trio_rollouts/gateway/__init__.py",
 }
 
 #: Public by convention but not API.
@@ -101,6 +102,13 @@ def test_the_names_read_from_the_source_are_the_names_the_module_has() -> None:
         trio_rollouts.testing,
     ):
         exported = exported_names(ROOT / MODULES[module.__name__])
+        # A subpackage re-exported by name (``from . import gateway as gateway``) is
+        # documented as such; modules are not compared here.
+        exported = {
+            name
+            for name in exported
+            if not isinstance(getattr(module, name, None), type(trio_rollouts))
+        }
         public = {
             name
             for name, value in vars(module).items()

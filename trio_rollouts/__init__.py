@@ -1,5 +1,7 @@
 """trio_rollouts: cancellation-correct RL rollout pipelines (GRPO groups) on Trio."""
 
+# The gateway subpackage, as ``tr.gateway`` (``tr.gateway.serve``).
+from . import gateway as gateway
 from ._agents import Agent as Agent
 from ._agents import ContrastiveRolloutGenerator as ContrastiveRolloutGenerator
 from ._agents import EvaluationAgent as EvaluationAgent
@@ -58,6 +60,7 @@ from ._sampling import SamplingBiasWarning as SamplingBiasWarning
 from ._stream import RolloutStream as RolloutStream
 from ._training import TrainingBatch as TrainingBatch
 from ._weight_update import WeightUpdate as WeightUpdate
+from .gateway import GatewayAgent as GatewayAgent
 from .inference import TRANSIENT_ERRORS as TRANSIENT_ERRORS
 from .inference import AcceptsTokens as AcceptsTokens
 from .inference import EmbeddedInference as EmbeddedInference

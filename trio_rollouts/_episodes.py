@@ -73,7 +73,7 @@ ACLOSE_SECONDS = 5.0
 _ENVIRONMENT_PARTS = ("reset", "step", "final_reward", "aclose", "tools")
 
 #: Each fidelity level's rank: higher is more faithful.
-_RANK = {level: len(FIDELITY_LEVELS) - i for i, level in enumerate(FIDELITY_LEVELS)}
+RANK = {level: len(FIDELITY_LEVELS) - i for i, level in enumerate(FIDELITY_LEVELS)}
 
 
 class TemplateBreakError(RuntimeError):
@@ -134,7 +134,7 @@ def backend_fidelity(interface: object) -> str:
     return "retokenized"
 
 
-def _describe(interface: object) -> str:
+def describe_backend(interface: object) -> str:
     urls = getattr(interface, "base_url", None)  # OpenAIInference's replicas
     name = type(interface).__name__
     if isinstance(urls, tuple) and urls:
@@ -142,9 +142,9 @@ def _describe(interface: object) -> str:
     return name
 
 
-def _fidelity_error(interface: object, fidelity: str, minimum: str, lacked: str) -> str:
+def fidelity_error(interface: object, fidelity: str, minimum: str, lacked: str) -> str:
     return (
-        f"{_describe(interface)} {lacked}, so the turn's ids would be {fidelity!r}, below "
+        f"{describe_backend(interface)} {lacked}, so the turn's ids would be {fidelity!r}, below "
         f"min_fidelity={minimum!r}. Use a backend that generates from token ids "
         "(AcceptsTokens: OpenAIInference against vLLM or SGLang, EmbeddedInference) or "
         "one that returns the ids it rendered and sampled (ReturnsTokens), or lower "
@@ -152,14 +152,14 @@ def _fidelity_error(interface: object, fidelity: str, minimum: str, lacked: str)
     )
 
 
-def _lacked(fidelity: str) -> str:
+def what_lacked(fidelity: str) -> str:
     if fidelity == "server_tokens":
         return "renders the chat itself (it does not generate from token ids)"
     return "returns text only (no token ids)"
 
 
 @attrs.define(eq=False)
-class _Element:
+class Element:
     """One trajectory element being built: its ids, which were sampled, their logprobs,
     and the epoch boundaries."""
 
@@ -173,7 +173,7 @@ class _Element:
     sampling: list[SamplingSpan] = attrs.field(factory=list)
 
     @classmethod
-    def scaffold(cls, ids: list[int]) -> _Element:
+    def scaffold(cls, ids: list[int]) -> Element:
         return cls(ids=list(ids), mask=[False] * len(ids))
 
     def extend(self, ids: Sequence[int]) -> None:
@@ -294,7 +294,7 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     _limiter_run: object = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self._bridge_takes_messages = _takes_messages(self.renderer)
+        self._bridge_takes_messages = takes_messages(self.renderer)
         if self.prompts is None and type(self).get_problem is MultiTurnAgent.get_problem:
             msg = (
                 f"{type(self).__name__} needs problems: pass prompts= (a PromptSource) or "
@@ -327,8 +327,8 @@ class MultiTurnAgent(GroupedRolloutGenerator):
         """
         interface = request.inference_interface
         fidelity = backend_fidelity(interface)
-        if _RANK[fidelity] < _RANK[self.min_fidelity]:
-            message = _fidelity_error(interface, fidelity, self.min_fidelity, _lacked(fidelity))
+        if RANK[fidelity] < RANK[self.min_fidelity]:
+            message = fidelity_error(interface, fidelity, self.min_fidelity, what_lacked(fidelity))
             raise TokenFidelityError(message)
         problem = await self.get_problem(request)
         if not isinstance(problem, Problem):
@@ -480,7 +480,7 @@ class _Run:
     shared: _Episode
     env: Environment
     member: int
-    elements: list[_Element] = attrs.field(factory=list)
+    elements: list[Element] = attrs.field(factory=list)
     conversation: list[ChatMessage] = attrs.field(factory=list)
     tools: list[dict[str, Any]] | None = None
     fidelity: str = "exact"
@@ -511,7 +511,7 @@ class _Run:
                 "be more than that)"
             )
             raise ValueError(msg)
-        self.elements.append(_Element.scaffold(first))
+        self.elements.append(Element.scaffold(first))
         finish: str
         reward: float | None = None
         while True:
@@ -524,7 +524,7 @@ class _Run:
             self.turns += 1
             start = len(self.elements[-1].ids) - len(sampled)
             self.where = f"turn {self.turns}, parsing"
-            turn = _numbered(renderer, renderer.parse(sampled), self.turns)
+            turn = numbered(renderer, renderer.parse(sampled), self.turns)
             self.parse_errors += turn.parse_error is not None
             self.where = f"turn {self.turns}, in step()"
             step = await self.step(turn)
@@ -573,7 +573,7 @@ class _Run:
         )
 
     async def generate(
-        self, interface: InferenceInterface, element: _Element, budget: int | None
+        self, interface: InferenceInterface, element: Element, budget: int | None
     ) -> tuple[InferenceResponse, list[int], str]:
         """One turn: generate, check the ids, append the sampled ones; return the
         response, the sampled ids and the turn's fidelity."""
@@ -601,9 +601,9 @@ class _Run:
         if token_ids is None:
             kind = "retokenized"  # whatever the markers promised: the text is all there is
         agent = self.shared.agent
-        if _RANK[kind] < _RANK[agent.min_fidelity]:
+        if RANK[kind] < RANK[agent.min_fidelity]:
             lacked = "returned no token ids for this turn"
-            raise TokenFidelityError(_fidelity_error(interface, kind, agent.min_fidelity, lacked))
+            raise TokenFidelityError(fidelity_error(interface, kind, agent.min_fidelity, lacked))
         logprobs: list[float] | None = None
         if kind == "retokenized" or token_ids is None:
             sampled = agent.renderer.encode(response.response.content)
@@ -611,7 +611,7 @@ class _Run:
             prompt_length = response.prompt_length
             if prompt_length is None or not 0 <= prompt_length <= len(token_ids):
                 msg = (
-                    f"{_describe(interface)} returned token_ids with prompt_length="
+                    f"{describe_backend(interface)} returned token_ids with prompt_length="
                     f"{prompt_length!r}; it must be the number of prompt ids in token_ids"
                 )
                 raise ValueError(msg)
@@ -619,19 +619,19 @@ class _Run:
             sampled = token_ids[prompt_length:]
             if prompt != element.ids:
                 if kind == "exact":
-                    raise _mismatch(interface, element.ids, prompt)
+                    raise token_mismatch(interface, element.ids, prompt)
                 element = self.server_break(prompt)
             logprobs = response.logprobs
             if logprobs is not None and len(logprobs) != len(sampled):
                 if isinstance(interface, ReturnsLogProbs):
                     msg = (
-                        f"{_describe(interface)} returned {len(logprobs)} logprobs for "
+                        f"{describe_backend(interface)} returned {len(logprobs)} logprobs for "
                         f"{len(sampled)} sampled ids; it must return one per sampled id"
                     )
                     raise ValueError(msg)
                 logprobs = None
         if kind != "exact":
-            self.fidelity = min(self.fidelity, kind, key=_RANK.__getitem__)
+            self.fidelity = min(self.fidelity, kind, key=RANK.__getitem__)
         offset = len(element.ids)
         element.sampled(sampled, logprobs, response)
         if sampled:
@@ -642,7 +642,7 @@ class _Run:
             element.unstamped(self.shared.start_epoch, 0)
         return response, sampled, kind
 
-    def server_break(self, server_prompt: list[int]) -> _Element:
+    def server_break(self, server_prompt: list[int]) -> Element:
         """The server rendered another prompt than the episode's ids: a break. The new
         element starts from what the model saw (an element with no sampled ids yet is
         replaced)."""
@@ -650,7 +650,7 @@ class _Run:
             "the server rendered a prompt that differs from the episode's ids (its chat "
             "template is not the renderer's, or it re-tokenized the conversation)"
         )
-        element = _Element.scaffold(server_prompt)
+        element = Element.scaffold(server_prompt)
         if any(self.elements[-1].mask):
             self.elements.append(element)
         else:
@@ -746,7 +746,7 @@ class _Run:
                 return False
             self.broke(why)
             self.tools = tools
-            self.elements.append(_Element.scaffold(ids))
+            self.elements.append(Element.scaffold(ids))
         else:
             if budget is not None and len(element.ids) + len(close) + len(bridge) >= budget:
                 return False
@@ -791,7 +791,7 @@ class _Run:
         )
 
 
-def _takes_messages(renderer: Renderer) -> bool:
+def takes_messages(renderer: Renderer) -> bool:
     """Whether ``renderer.bridge`` takes the conversation at hand (``messages=``): a
     renderer written before it existed is called without."""
     try:
@@ -803,7 +803,7 @@ def _takes_messages(renderer: Renderer) -> bool:
     )
 
 
-def _numbered(renderer: Renderer, turn: AssistantTurn, number: int) -> AssistantTurn:
+def numbered(renderer: Renderer, turn: AssistantTurn, number: int) -> AssistantTurn:
     """The turn with the call ids a parser made up (``call_<index>``) made unique within
     the episode: the renderer's ``call_id(turn, index)`` where it has one (Mistral's
     templates take only nine letters and digits), else ``call_<turn>_<index>``; ids the
@@ -823,13 +823,13 @@ def _numbered(renderer: Renderer, turn: AssistantTurn, number: int) -> Assistant
     return attrs.evolve(turn, tool_calls=calls)
 
 
-def _mismatch(interface: object, sent: list[int], echoed: list[int]) -> TokenMismatchError:
+def token_mismatch(interface: object, sent: list[int], echoed: list[int]) -> TokenMismatchError:
     index = next(
         (i for i, (a, b) in enumerate(zip(sent, echoed, strict=False)) if a != b),
         min(len(sent), len(echoed)),
     )
     msg = (
-        f"{_describe(interface)} generated from other ids than the episode's: they differ "
+        f"{describe_backend(interface)} generated from other ids than the episode's: they differ "
         f"first at index {index} (sent {len(sent)} ids, it echoed {len(echoed)})"
     )
     return TokenMismatchError(msg, sent=sent, echoed=echoed, index=index)

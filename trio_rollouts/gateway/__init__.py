@@ -1,0 +1,20 @@
+"""The gateway: an OpenAI-compatible server per session, for agents the library did not
+write (the OpenAI Agents SDK, LangGraph, a team's own loop).
+
+.. code-block:: python
+
+    async with trio_rollouts.gateway.serve(inference, renderer) as gw:
+        async with gw.session(problem) as session:  # session.base_url: .../sessions/<id>/v1
+            await run_my_agent(session.base_url)  # unmodified: AsyncOpenAI(base_url=...)
+        rollout = session.rollout(reward=1.0)  # a token-exact TokenRollout
+
+See ``docs/gateway.md``.
+"""
+
+from ._agent import AgentCommandError as AgentCommandError
+from ._agent import CommandTimeoutError as CommandTimeoutError
+from ._agent import GatewayAgent as GatewayAgent
+from ._gateway import Gateway as Gateway
+from ._gateway import GatewaySession as GatewaySession
+from ._gateway import serve as serve
+from ._session import GatewayError as GatewayError

@@ -1,0 +1,388 @@
+"""The gateway: an OpenAI-compatible server whose sessions are token-exact rollouts.
+
+``serve(inference, renderer)`` runs the HTTP server (:mod:`._http`) for an ``async with``
+block and yields the :class:`Gateway`; ``gw.session(problem)`` opens a
+:class:`GatewaySession` whose ``base_url`` an unmodified agent is pointed at. Routes,
+under ``{gw.url}/sessions/<id>/v1``: ``POST /chat/completions`` (``stream: true`` too)
+and ``GET /models``. The API key, when one is set, is checked before routing, so a caller
+without it learns nothing about session ids; errors are in the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final
+
+import attrs
+import trio
+
+from .._episodes import TemplateBreakError
+from .._messages import ChatMessage, GenerationArgs
+from .._models import FIDELITY_LEVELS, Problem, TokenRollout
+from ..inference import InferenceError, InferenceInterface
+from ..renderers import Renderer
+from ._http import HTTPRequest, HTTPResponse, StreamingResponse, serve_http
+from ._session import GatewayError, SessionState, body_args, parse_messages, parse_tools
+from ._sse import chat_completion_chunks
+
+__all__ = ["Gateway", "GatewaySession", "serve"]
+
+logger = logging.getLogger("trio_rollouts.gateway")
+
+#: Closed session ids remembered (a call to one gets 409; beyond, 404).
+CLOSED_REMEMBERED: Final = 65_536
+#: Seconds leaving a session waits, shielded, for its cancelled calls to end.
+LEAVE_GRACE: Final = 5.0
+#: The key the clients of a gateway without one are given (the SDKs want a key).
+NO_KEY: Final = "trio-rollouts"
+_ON_BREAK = ("split", "raise")
+
+
+def _json(status: int, body: Mapping[str, Any]) -> HTTPResponse:
+    return HTTPResponse(status=status, body=json.dumps(body, ensure_ascii=False).encode())
+
+
+def _error(error: GatewayError) -> HTTPResponse:
+    return _json(error.status, error.body())
+
+
+@attrs.define(eq=False)
+class _Call:
+    """A call in flight in a session: its cancel scope, and whether leaving cut it off."""
+
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+
+class GatewaySession:
+    """One agent run behind the gateway: point the agent's OpenAI client at
+    :attr:`base_url` with :attr:`api_key`, and after leaving ``gw.session(...)`` take
+    :meth:`rollout`.
+
+    - ``id``: unguessable (``secrets.token_urlsafe``) unless the caller named it;
+    - ``base_url``: ``{gw.url}/sessions/{id}/v1``, what ``OPENAI_BASE_URL`` gets;
+    - ``api_key``: the gateway's key, or ``"trio-rollouts"`` when it has none;
+    - ``problem``: the problem given to ``gw.session``;
+    - ``messages``: the conversation of the session's current element, the replies it
+      gave included (what a ``reward_fn`` reads);
+    - ``calls``: the calls committed; ``breaks``: the breaks counted.
+    """
+
+    def __init__(self, gateway: Gateway, session_id: str, problem: Problem | None) -> None:
+        self.id = session_id
+        self.problem = problem
+        self.base_url = f"{gateway.url}/sessions/{session_id}/v1"
+        self.api_key = gateway.api_key or NO_KEY
+        self._gateway = gateway
+        self._state = SessionState.open(
+            gateway.inference,
+            gateway.renderer,
+            gateway.generation_args,
+            gateway.on_break,
+            gateway.model,
+        )
+        # Calls run one at a time, in arrival order (trio.Lock is fair).
+        self._lock = trio.Lock()
+        self._calls: set[_Call] = set()
+        self._closed = False
+        self._left = False
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def __repr__(self) -> str:
+        return f"<GatewaySession {self.id!r} calls={self.calls} closed={self._closed}>"
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        return self._state.messages
+
+    @property
+    def calls(self) -> int:
+        return self._state.calls
+
+    @property
+    def breaks(self) -> int:
+        return self._state.breaks
+
+    def rollout(self, reward: float, *, env_id: str = "") -> TokenRollout:
+        """The session's :class:`~trio_rollouts.TokenRollout`: one trajectory element per
+        stretch of calls that extended one another (a break starts the next), the sampled
+        ids verbatim with their logprobs, epochs and sampling record, ``fidelity`` as for
+        episodes, ``extra["gateway"]`` (``session``, ``calls``, ``breaks``,
+        ``tool_calls``, ``parse_errors``, ``truncated_turns``, ``per_turn``).
+
+        A ``RuntimeError`` before the session is left (calls may still come) or when it
+        committed no call; ``reward`` must be a finite number."""
+        if not self._left:
+            msg = (
+                f"session {self.id!r} is still open: leave `async with gw.session(...)` "
+                "before taking its rollout (calls may still come)"
+            )
+            raise RuntimeError(msg)
+        return self._state.rollout(reward, env_id, self.problem, self.id)
+
+    # ------------------------------------------------------------------- calls
+
+    async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One ``/chat/completions`` call: its ``chat.completion`` reply.
+
+        Raises :class:`GatewayError` (400 for a bad body, 409 when the session is closed
+        or is left while the call waits or runs).
+
+        Cancellation: cancelled when the session is left (then a 409); otherwise not
+        cancelled by the client going away: a call the backend answered is committed."""
+        messages = parse_messages(body.get("messages"))
+        tools = parse_tools(body.get("tools"))
+        n = body.get("n")
+        if n is not None and n != 1:
+            msg = f"n={n!r}: the gateway generates one choice per call (n must be 1)"
+            raise GatewayError(400, msg)
+        args = body_args(body, self._gateway.generation_args)
+        model = body.get("model") if isinstance(body.get("model"), str) else self._gateway.model
+        if self._closed:
+            raise self._closed_error()
+        call = _Call()
+        self._calls.add(call)
+        self._idle = trio.Event() if len(self._calls) == 1 else self._idle
+        try:
+            with call.scope:
+                async with self._lock:
+                    state = self._state
+                    try:
+                        state.prepare(messages, tools)
+                    except GatewayError:
+                        raise
+                    except Exception as exc:  # a renderer's or a break's error
+                        raise GatewayError(400, f"{type(exc).__name__}: {exc}") from exc
+                    try:
+                        response, sampled, _, start = await state.generate(messages, args)
+                    except (InferenceError, TemplateBreakError, ValueError) as exc:
+                        msg = f"the model call failed: {type(exc).__name__}: {exc}"
+                        raise GatewayError(500, msg, "server_error") from exc
+                    return state.reply(response, sampled, start, str(model))
+            raise self._closed_error(during=True)
+        finally:
+            self._calls.discard(call)
+            if not self._calls:
+                self._idle.set()
+
+    def _closed_error(self, *, during: bool = False) -> GatewayError:
+        if during:
+            msg = f"session {self.id!r} was closed while this call waited or ran"
+        else:
+            msg = f"session {self.id!r} is closed"
+        return GatewayError(409, msg, "conflict")
+
+    async def _leave(self) -> None:
+        """Refuse new calls, cancel those in flight and wait for them (shielded, at most
+        :data:`LEAVE_GRACE` seconds)."""
+        self._closed = True
+        for call in list(self._calls):
+            call.scope.cancel()
+        with trio.move_on_after(LEAVE_GRACE, shield=True):
+            await self._idle.wait()
+        self._left = True
+
+
+@attrs.define(eq=False, kw_only=True)
+class Gateway:
+    """A running gateway (from :func:`serve`): ``url`` is its root
+    (``http://127.0.0.1:PORT``); :meth:`session` opens a session."""
+
+    url: str
+    inference: InferenceInterface
+    renderer: Renderer
+    generation_args: GenerationArgs
+    api_key: str | None
+    on_break: str
+    model: str
+    _live: dict[str, GatewaySession] = attrs.field(factory=dict, repr=False)
+    _closed: collections.OrderedDict[str, None] = attrs.field(
+        factory=collections.OrderedDict, repr=False
+    )
+
+    @contextlib.asynccontextmanager
+    async def session(
+        self, problem: Problem | None = None, *, session_id: str | None = None
+    ) -> AsyncIterator[GatewaySession]:
+        """A session for the block: its calls are the agent's, and leaving cancels those
+        still in flight (waiting for them, shielded, at most 5 s). ``session_id`` names
+        it (a ``ValueError`` if that id is in use or was used); by default it is
+        unguessable.
+
+        Cancellation: entering is not a checkpoint; leaving waits as said, even when
+        cancelled."""
+        if session_id is None:
+            session_id = secrets.token_urlsafe(16)
+        elif not isinstance(session_id, str) or not session_id or "/" in session_id:
+            msg = f"session_id must be a non-empty string without '/', got {session_id!r:.40}"
+            raise ValueError(msg)
+        if session_id in self._live or session_id in self._closed:
+            msg = f"session_id {session_id!r} is already used in this gateway"
+            raise ValueError(msg)
+        session = GatewaySession(self, session_id, problem)
+        self._live[session_id] = session
+        try:
+            yield session
+        finally:
+            try:
+                await session._leave()
+            finally:
+                del self._live[session_id]
+                self._closed[session_id] = None
+                if len(self._closed) > CLOSED_REMEMBERED:
+                    self._closed.popitem(last=False)
+
+    # ------------------------------------------------------------------- HTTP
+
+    async def handle(self, request: HTTPRequest) -> HTTPResponse | StreamingResponse:
+        """Route one HTTP request (the key first, then the path)."""
+        try:
+            self._check_key(request)
+            session, route = self._route(request)
+            if route == "models":
+                return _json(200, self._models())
+            body = _body(request)
+            reply = await session.chat(body)
+        except GatewayError as error:
+            return _error(error)
+        if body.get("stream") is True:
+            options = body.get("stream_options")
+            usage = isinstance(options, Mapping) and options.get("include_usage") is True
+            return StreamingResponse(
+                status=200, chunks=_chunks(chat_completion_chunks(reply, include_usage=usage))
+            )
+        return _json(200, reply)
+
+    def _check_key(self, request: HTTPRequest) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise GatewayError(
+                401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error"
+            )
+
+    def _route(self, request: HTTPRequest) -> tuple[GatewaySession, str]:
+        parts = request.path.split("/")
+        # "", "sessions", <id>, "v1", rest...
+        if len(parts) < 5 or parts[0] or parts[1] != "sessions" or parts[3] != "v1":
+            raise GatewayError(404, f"no route {request.path!r}: use /sessions/<id>/v1/...")
+        rest = "/".join(parts[4:])
+        routes = {"chat/completions": ("POST", "chat"), "models": ("GET", "models")}
+        if rest not in routes:
+            raise GatewayError(404, f"no route {request.path!r}")
+        method, route = routes[rest]
+        session_id = parts[2]
+        session = self._live.get(session_id)
+        if session is None:
+            if session_id in self._closed:
+                raise GatewayError(409, f"session {session_id!r} is closed", "conflict")
+            raise GatewayError(404, f"no session {session_id!r}", "not_found_error")
+        if request.method != method:
+            raise GatewayError(405, f"{request.method} {request.path}: use {method}")
+        return session, route
+
+    def _models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": self.model, "object": "model", "created": 0, "owned_by": "trio-rollouts"}
+            ],
+        }
+
+
+def _body(request: HTTPRequest) -> dict[str, Any]:
+    try:
+        body = json.loads(request.body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GatewayError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def _chunks(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    inference: InferenceInterface,
+    renderer: Renderer,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    generation_args: GenerationArgs | None = None,
+    min_fidelity: str = "retokenized",
+    on_break: str = "split",
+    model: str = "trio-rollouts",
+) -> AsyncIterator[Gateway]:
+    """Serve the gateway for the block and yield it (see the module docstring).
+
+    - ``inference``: the backend the sessions generate with (token-in where it
+      :func:`~trio_rollouts.inference.accepts_tokens`); ``renderer``: the model's chat
+      template in ids (:class:`~trio_rollouts.HFRenderer`, say).
+    - ``host``/``port``: where to listen (loopback and a free port by default);
+      ``api_key``: when set, every call must carry ``Authorization: Bearer <key>``.
+    - ``generation_args``: the trainer's sampling; a request body fills only the fields
+      it leaves unset (``temperature``, ``top_p``, ``max_tokens``, ...).
+    - ``min_fidelity``: a backend whose turns would be less faithful is refused here,
+      with :class:`~trio_rollouts.TokenFidelityError`, before any session.
+    - ``on_break``: ``"split"`` (a new element, counted) or ``"raise"`` (the call gets a
+      400 naming the break).
+    - ``model``: the name ``/models`` lists (replies echo the request's ``model``).
+
+    Cancellation: leaving the block (or cancelling it) stops the server and every call
+    in flight; sessions still open are left first.
+    """
+    if min_fidelity not in FIDELITY_LEVELS:
+        msg = f"min_fidelity must be one of {FIDELITY_LEVELS}, got {min_fidelity!r:.40}"
+        raise ValueError(msg)
+    if on_break not in _ON_BREAK:
+        msg = f"on_break must be one of {_ON_BREAK}, got {on_break!r:.40}"
+        raise ValueError(msg)
+    if not isinstance(renderer, Renderer):
+        msg = f"renderer must be a Renderer (HFRenderer, say), got {type(renderer).__name__}"
+        raise TypeError(msg)
+    if not isinstance(inference, InferenceInterface):
+        msg = f"inference must be an InferenceInterface, got {type(inference).__name__}"
+        raise TypeError(msg)
+    if generation_args is None:
+        generation_args = GenerationArgs()
+    SessionState.open(inference, renderer, generation_args, on_break, model).check_fidelity(
+        min_fidelity
+    )
+    async with trio.open_nursery() as nursery:
+        gateway: Gateway | None = None
+
+        async def handle(request: HTTPRequest) -> HTTPResponse | StreamingResponse:
+            if gateway is None:  # pragma: no cover - the server starts before any call
+                return _error(GatewayError(503, "the gateway is starting", "server_error"))
+            return await gateway.handle(request)
+
+        bound_host, bound_port = await nursery.start(serve_http, handle, host, port)
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        gateway = Gateway(
+            url=f"http://{shown}:{bound_port}",
+            inference=inference,
+            renderer=renderer,
+            generation_args=generation_args,
+            api_key=api_key,
+            on_break=on_break,
+            model=model,
+        )
+        try:
+            yield gateway
+        finally:
+            nursery.cancel_scope.cancel()
