@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "real_server"))
 from build_tiny_llama import build
 from checks import VLLM, run_library_checks
+from gateway_checks import check_gateway
 from run import (
     HOST,
     OFFLINE,
@@ -279,6 +280,11 @@ def main(work: Path, grpo: bool) -> None:
         mark = time.monotonic()
         trio.run(run_library_checks, vllm)
         timings["library"] = time.monotonic() - mark
+
+        step("the gateway: an unmodified openai-SDK agent, token-in")
+        mark = time.monotonic()
+        print(f"gateway: {trio.run(check_gateway, vllm)}", flush=True)
+        timings["gateway"] = time.monotonic() - mark
 
         step("what the server says about each sample: the probe, epochs, the check")
         mark = time.monotonic()
