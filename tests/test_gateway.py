@@ -431,3 +431,9 @@ def test_serve_refuses_bad_settings() -> None:
         trio.run(lambda: main(on_break="ignore"))
     with pytest.raises(ValueError, match="min_fidelity must be one of"):
         trio.run(lambda: main(min_fidelity="perfect"))
+
+
+async def test_what_the_serve_block_raises_leaves_as_itself() -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with serve(backend(), R):
+            raise KeyError("mine")

@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
@@ -32,16 +33,8 @@ import trio
 import trio_rollouts as tr
 from trio_rollouts import ChatMessage, GroupedRolloutRequest, PlainRenderer, Problem, PromptSource
 from trio_rollouts.envs import calculate
-from trio_rollouts.gateway import _agent
-from trio_rollouts.gateway._agent import (
-    KILL_GRACE,
-    OUTPUT_LIMIT,
-    AgentCommandError,
-    CommandTimeoutError,
-    GatewayAgent,
-    problem_json,
-    reward_from_stdout,
-)
+from trio_rollouts.gateway import AgentCommandError, CommandTimeoutError, GatewayAgent, _agent
+from trio_rollouts.gateway._agent import KILL_GRACE, OUTPUT_LIMIT, problem_json, reward_from_stdout
 from trio_rollouts.inference import EmbeddedInference, LatencyModel
 from trio_rollouts.testing import NullInference
 
@@ -403,6 +396,10 @@ def test_the_output_tail_keeps_the_last_bytes_and_drops_the_cut_line() -> None:
 
 
 # --------------------------------------------------------------------------- functions
+
+
+def test_the_agent_is_exported() -> None:
+    assert tr.GatewayAgent is GatewayAgent is _agent.GatewayAgent
 
 
 async def test_a_function_member_with_async_openai_gives_token_exact_rollouts() -> None:
@@ -935,6 +932,30 @@ def test_the_sync_bridge_raises_a_failing_member_with_its_note() -> None:
     ):
         stream.take(1, timeout=SECONDS)
     assert caught.value.__notes__[0].startswith("in member 0 of 1 of problem 'p0'")
+
+
+def test_the_example_run_script(tmp_path: Path) -> None:
+    """``python examples/gateway/run.py`` drives agent.py through the pipeline."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "gateway" / "run.py")],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=SECONDS,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(
+        r"^arithmetic-\d+: fidelity exact, ([12]) turns, ([01]) tool calls, 0 breaks, "
+        r"\d+ sampled ids, reward (0\.0|1\.0)$",
+        done.stdout,
+        re.M,
+    )
+    assert len(rows) == 8, done.stdout
+    # One turn is an answer without the tool; two, a call and an answer.
+    assert all(int(turns) == int(calls) + 1 for turns, calls, _ in rows)
+    assert len(re.findall(r"^group of arithmetic-\d+: advantages ", done.stdout, re.M)) == 2
 
 
 # --------------------------------------------------------------------------- the Agents SDK

@@ -22,7 +22,8 @@ from typing import Any, Final
 import attrs
 import trio
 
-from .._episodes import TemplateBreakError
+from .._concurrency import flatten_exception_groups
+from .._episodes import TemplateBreakError, takes_messages
 from .._messages import ChatMessage, GenerationArgs
 from .._models import FIDELITY_LEVELS, Problem, TokenRollout
 from ..inference import InferenceError, InferenceInterface
@@ -85,6 +86,7 @@ class GatewaySession:
             gateway.generation_args,
             gateway.on_break,
             gateway.model,
+            takes=gateway._takes_messages,
         )
         # Calls run one at a time, in arrival order (trio.Lock is fair).
         self._lock = trio.Lock()
@@ -201,6 +203,12 @@ class Gateway:
     api_key: str | None
     on_break: str
     model: str
+    # What every session needs and costs to work out (inspect.signature): once.
+    _takes_messages: bool = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(lambda self: takes_messages(self.renderer), takes_self=True),
+    )
     _live: dict[str, GatewaySession] = attrs.field(factory=dict, repr=False)
     _closed: collections.OrderedDict[str, None] = attrs.field(
         factory=collections.OrderedDict, repr=False
@@ -363,26 +371,26 @@ async def serve(
     SessionState.open(inference, renderer, generation_args, on_break, model).check_fidelity(
         min_fidelity
     )
-    async with trio.open_nursery() as nursery:
-        gateway: Gateway | None = None
-
-        async def handle(request: HTTPRequest) -> HTTPResponse | StreamingResponse:
-            if gateway is None:  # pragma: no cover - the server starts before any call
-                return _error(GatewayError(503, "the gateway is starting", "server_error"))
-            return await gateway.handle(request)
-
-        bound_host, bound_port = await nursery.start(serve_http, handle, host, port)
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        gateway = Gateway(
-            url=f"http://{shown}:{bound_port}",
-            inference=inference,
-            renderer=renderer,
-            generation_args=generation_args,
-            api_key=api_key,
-            on_break=on_break,
-            model=model,
-        )
-        try:
-            yield gateway
-        finally:
-            nursery.cancel_scope.cancel()
+    gateway = Gateway(
+        url="",  # known once the server listens, before any call can arrive
+        inference=inference,
+        renderer=renderer,
+        generation_args=generation_args,
+        api_key=api_key,
+        on_break=on_break,
+        model=model,
+    )
+    # What the body raises leaves as itself, not inside the server nursery's group.
+    body_errors: list[BaseException] = []
+    with flatten_exception_groups(body_errors):
+        async with trio.open_nursery() as nursery:
+            bound_host, bound_port = await nursery.start(serve_http, gateway.handle, host, port)
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            gateway.url = f"http://{shown}:{bound_port}"
+            try:
+                yield gateway
+            except BaseException as exc:
+                body_errors.append(exc)
+                raise
+            finally:
+                nursery.cancel_scope.cancel()

@@ -179,6 +179,8 @@ def parse_tools(value: object) -> list[dict[str, Any]] | None:
 def body_args(body: Mapping[str, Any], base: GenerationArgs) -> GenerationArgs:
     """``base`` (the gateway's: the trainer's sampling), with the fields it leaves unset
     taken from the request body (400 naming a field whose value is not allowed)."""
+    if not _BODY_ARGS.keys() & body.keys():
+        return base  # the body sets no sampling field (most agents)
     given: dict[str, Any] = {}
     for key, field in _BODY_ARGS.items():
         value = body.get(key)
@@ -264,7 +266,11 @@ class SessionState:
         generation_args: GenerationArgs,
         on_break: str,
         model: str,
+        *,
+        takes: bool | None = None,
     ) -> SessionState:
+        """A new session's state (``takes``: whether the renderer's bridge takes
+        ``messages=``, when the caller knows already)."""
         epoch = call_start_epoch.get(None)
         if epoch is None:
             epoch = inference.policy_epoch if isinstance(inference, Pausable) else 0
@@ -278,7 +284,7 @@ class SessionState:
             start_epoch=epoch,
             fidelity=promised,
             promised=promised,
-            takes_messages=takes_messages(renderer),
+            takes_messages=takes_messages(renderer) if takes is None else takes,
         )
 
     @property
