@@ -437,3 +437,44 @@ async def test_what_the_serve_block_raises_leaves_as_itself() -> None:
     with pytest.raises(KeyError, match="mine"):
         async with serve(backend(), R):
             raise KeyError("mine")
+
+
+async def test_a_seeded_session_gives_each_call_its_own_replayable_seed() -> None:
+    async def run(seed: int) -> tr.TokenRollout:
+        async with serve(backend(), R) as gw:
+            async with gw.session(PROBLEM, seed=seed) as session:
+                await tool_agent(session.base_url, session.api_key)
+            return session.rollout(1.0)
+
+    with trio.fail_after(LIMIT):
+        first, again, other = await run(7), await run(7), await run(8)
+    seeds = [span.seed for span in (first.sampling or [[]])[0]]
+    assert len(seeds) == 2
+    assert None not in seeds
+    assert len(set(seeds)) == 2  # each call its own
+    assert [span.seed for span in (again.sampling or [[]])[0]] == seeds  # replayed
+    assert set(seeds).isdisjoint(span.seed for span in (other.sampling or [[]])[0])
+    assert first.trajectory == again.trajectory
+
+
+async def test_gateway_agent_sessions_take_their_seeds_from_the_run_seed() -> None:
+    async def member(base_url: str, problem: Problem) -> float:
+        await tool_agent(base_url, "unused")
+        return 1.0
+
+    agent = tr.GatewayAgent(function=member, renderer=R, prompts=tr.PromptSource([PROBLEM]))
+    request = tr.GroupedRolloutRequest(
+        num_groups=1, rollouts_per_group=3, inference_interface=backend(), seed=11
+    )
+    with trio.fail_after(LIMIT):
+        async with agent.get_grouped_rollouts(request) as stream:
+            group = await stream.receive()
+    seeds = [
+        span.seed
+        for rollout in group
+        if isinstance(rollout, tr.TokenRollout)
+        for span in (rollout.sampling or [[]])[0]
+    ]
+    assert len(seeds) == 6
+    assert None not in seeds
+    assert len(set(seeds)) == 6

@@ -41,6 +41,7 @@ from .._concurrency import flatten_exception_groups, gather
 from .._failure import StepTimeoutError
 from .._messages import ChatMessage
 from .._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, TokenRollout
+from .._sampling import request_seed
 from ..renderers import Renderer
 from ._gateway import Gateway, GatewaySession, serve
 
@@ -360,13 +361,18 @@ class GatewayAgent(GroupedRolloutGenerator):
             ) as gateway:
                 return await gather(
                     [
-                        functools.partial(self._member, gateway, problem, member, count)
+                        functools.partial(self._member, gateway, request, problem, member, count)
                         for member in range(count)
                     ]
                 )
 
     async def _member(
-        self, gateway: Gateway, problem: Problem, member: int, count: int
+        self,
+        gateway: Gateway,
+        request: GroupedRolloutRequest,
+        problem: Problem,
+        member: int,
+        count: int,
     ) -> TokenRollout:
         """One member: its session, its agent, its reward, its rollout; an error gets a
         note naming the problem, the member and where."""
@@ -375,7 +381,12 @@ class GatewayAgent(GroupedRolloutGenerator):
             # What a member raises leaves as itself (a function's nursery, the command's
             # own, would wrap it in a group), so that its note is on the failure.
             with flatten_exception_groups():
-                async with gateway.session(problem) as session:
+                # A run seed gives each member's session its own (its calls derive theirs).
+                seed = None
+                if request.seed is not None:
+                    interface = request.inference_interface
+                    seed = request_seed(request, interface, problem.problem_id, member)
+                async with gateway.session(problem, seed=seed) as session:
                     if self._argv is None:
                         where = "in its function"
                         reward = await self._call_function(session, problem)

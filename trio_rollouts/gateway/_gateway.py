@@ -216,12 +216,19 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def session(
-        self, problem: Problem | None = None, *, session_id: str | None = None
+        self,
+        problem: Problem | None = None,
+        *,
+        session_id: str | None = None,
+        seed: int | None = None,
     ) -> AsyncIterator[GatewaySession]:
         """A session for the block: its calls are the agent's, and leaving cancels those
         still in flight (waiting for them, shielded, at most 5 s). ``session_id`` names
         it (a ``ValueError`` if that id is in use or was used); by default it is
-        unguessable.
+        unguessable. ``seed``: the session's seed; call ``k`` of the session is then sent
+        a seed of its own derived from it (stable across processes), which wins over a
+        seed in the request body (``GatewayAgent`` derives it from
+        ``GroupedRolloutRequest.seed``, as episodes do).
 
         Cancellation: entering is not a checkpoint; leaving waits as said, even when
         cancelled."""
@@ -233,7 +240,11 @@ class Gateway:
         if session_id in self._live or session_id in self._closed:
             msg = f"session_id {session_id!r} is already used in this gateway"
             raise ValueError(msg)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            msg = f"seed must be an int or None, got {seed!r:.40}"
+            raise TypeError(msg)
         session = GatewaySession(self, session_id, problem)
+        session._state.seed = seed
         self._live[session_id] = session
         try:
             yield session

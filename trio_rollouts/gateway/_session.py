@@ -50,9 +50,10 @@ from .._episodes import (
 from .._gate import call_start_epoch
 from .._messages import ChatMessage, GenerationArgs
 from .._models import Problem, TokenRollout
-from .._sampling import sampling_span
+from .._sampling import sampling_span, seeded
 from ..inference import InferenceInterface, InferenceRequest, InferenceResponse, Pausable
 from ..inference._interface import ReturnsLogProbs
+from ..inference._sampling import derive_seed
 from ..renderers import AssistantTurn, Renderer
 
 __all__ = ["GatewayError", "SessionState"]
@@ -257,6 +258,8 @@ class SessionState:
     tool_calls: int = 0
     per_turn: list[dict[str, Any]] = attrs.field(factory=list)
     takes_messages: bool = False
+    #: The session's seed: call ``k`` gets ``derive_seed(seed, k)`` (``None``: no seed).
+    seed: int | None = None
 
     @classmethod
     def open(
@@ -361,6 +364,8 @@ class SessionState:
         Cancellation: cancels the model call; nothing is appended."""
         element = self.elements[-1]
         kind = self.promised
+        if self.seed is not None:
+            args = seeded(args, derive_seed("gateway", self.seed, self.calls))
         request = InferenceRequest(
             prompt=list(messages),
             tools=self.tools,
