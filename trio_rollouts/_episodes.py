@@ -49,7 +49,7 @@ from ._environment import (
 )
 from ._failure import StepTimeoutError
 from ._gate import call_start_epoch
-from ._messages import ChatMessage
+from ._messages import ChatMessage, GenerationArgs
 from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, SamplingSpan, TokenRollout
 from ._sampling import request_seed, sampling_span, seeded
 from .inference._errors import TokenMismatchError
@@ -200,11 +200,95 @@ class Element:
             for start, epoch in response.kv_cache_epoch:
                 _boundary(self.kv_cache_epoch, min(offset + start, last), epoch)
 
+    def take(
+        self,
+        sampled: list[int],
+        logprobs: list[float] | None,
+        response: InferenceResponse,
+        args: GenerationArgs,
+        start_epoch: int,
+    ) -> int:
+        """Append one turn's sampled ids with their record (:meth:`sampled`, the
+        sampling span, and ``start_epoch`` where the backend stamped no epoch); return
+        the position of the first one."""
+        offset = len(self.ids)
+        self.sampled(sampled, logprobs, response)
+        if sampled:
+            self.sampling.append(sampling_span(offset, args, response))
+        if not response.policy_epoch and sampled:
+            self.unstamped(start_epoch, offset)
+        elif not self.policy_epoch:
+            self.unstamped(start_epoch, 0)
+        return offset
+
     def unstamped(self, epoch: int, offset: int) -> None:
         """A turn whose backend stamped no epoch, from ``offset``: generated under
         ``epoch`` (the group's ``start_epoch``)."""
         _boundary(self.policy_epoch, offset, epoch)
         _boundary(self.kv_cache_epoch, offset, epoch)
+
+
+def read_turn(
+    interface: InferenceInterface,
+    renderer: Renderer,
+    expected: list[int],
+    response: InferenceResponse,
+    kind: str,
+) -> tuple[str, list[int], list[float] | None, list[int] | None]:
+    """A turn's ``(fidelity, sampled ids, logprobs, server prompt)`` from ``response``
+    to a request for the ids ``expected``: the returned ids when there are any (checked
+    against ``expected``: a token-in turn that differs is a :class:`TokenMismatchError`;
+    a chat turn's different prompt is returned as the server prompt, a break), else the
+    text encoded again (``"retokenized"``). Logprobs that are not one per sampled id are
+    a ``ValueError`` from a backend that promises them, else dropped."""
+    token_ids = response.token_ids
+    if token_ids is None or kind == "retokenized":
+        return "retokenized", renderer.encode(response.response.content), None, None
+    prompt_length = response.prompt_length
+    if prompt_length is None or not 0 <= prompt_length <= len(token_ids):
+        msg = (
+            f"{describe_backend(interface)} returned token_ids with prompt_length="
+            f"{prompt_length!r}; it must be the number of prompt ids in token_ids"
+        )
+        raise ValueError(msg)
+    prompt, sampled = token_ids[:prompt_length], token_ids[prompt_length:]
+    server_prompt = None
+    if prompt != expected:
+        if kind == "exact":
+            raise token_mismatch(interface, expected, prompt)
+        server_prompt = prompt
+    logprobs = response.logprobs
+    if logprobs is not None and len(logprobs) != len(sampled):
+        if isinstance(interface, ReturnsLogProbs):
+            msg = (
+                f"{describe_backend(interface)} returned {len(logprobs)} logprobs for "
+                f"{len(sampled)} sampled ids; it must return one per sampled id"
+            )
+            raise ValueError(msg)
+        logprobs = None
+    return kind, sampled, logprobs, server_prompt
+
+
+def turn_record(
+    turn: AssistantTurn, response: InferenceResponse, element: int, start: int, end: int
+) -> dict[str, Any]:
+    """A turn's entry in a rollout's ``per_turn`` record: where its ids are, why it
+    stopped, its tool calls."""
+    return {
+        "element": element,
+        "start": start,
+        "end": end,
+        "finish_reason": response.finish_reason,
+        "tool_calls": [
+            {
+                "id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "error": call.parse_error,
+            }
+            for call in turn.tool_calls
+        ],
+    }
 
 
 def _boundary(boundaries: list[tuple[int, int]], index: int, epoch: int) -> None:
@@ -552,25 +636,12 @@ class _Run:
         self, turn: AssistantTurn, response: InferenceResponse, start: int, step: EnvironmentStep
     ) -> None:
         """The turn's entry in ``extra["episode"]["per_turn"]``."""
-        self.per_turn.append(
-            {
-                "element": len(self.elements) - 1,
-                "start": start,
-                "end": len(self.elements[-1].ids),
-                "finish_reason": response.finish_reason,
-                "tool_calls": [
-                    {
-                        "id": call.id,
-                        "name": call.name,
-                        "arguments": call.arguments,
-                        "error": call.parse_error,
-                    }
-                    for call in turn.tool_calls
-                ],
-                "reward": None if step.done else step.reward,
-                "info": step.info,
-            }
+        entry = turn_record(
+            turn, response, len(self.elements) - 1, start, len(self.elements[-1].ids)
         )
+        entry["reward"] = None if step.done else step.reward
+        entry["info"] = step.info
+        self.per_turn.append(entry)
 
     async def generate(
         self, interface: InferenceInterface, element: Element, budget: int | None
@@ -604,42 +675,14 @@ class _Run:
         if RANK[kind] < RANK[agent.min_fidelity]:
             lacked = "returned no token ids for this turn"
             raise TokenFidelityError(fidelity_error(interface, kind, agent.min_fidelity, lacked))
-        logprobs: list[float] | None = None
-        if kind == "retokenized" or token_ids is None:
-            sampled = agent.renderer.encode(response.response.content)
-        else:
-            prompt_length = response.prompt_length
-            if prompt_length is None or not 0 <= prompt_length <= len(token_ids):
-                msg = (
-                    f"{describe_backend(interface)} returned token_ids with prompt_length="
-                    f"{prompt_length!r}; it must be the number of prompt ids in token_ids"
-                )
-                raise ValueError(msg)
-            prompt = token_ids[:prompt_length]
-            sampled = token_ids[prompt_length:]
-            if prompt != element.ids:
-                if kind == "exact":
-                    raise token_mismatch(interface, element.ids, prompt)
-                element = self.server_break(prompt)
-            logprobs = response.logprobs
-            if logprobs is not None and len(logprobs) != len(sampled):
-                if isinstance(interface, ReturnsLogProbs):
-                    msg = (
-                        f"{describe_backend(interface)} returned {len(logprobs)} logprobs for "
-                        f"{len(sampled)} sampled ids; it must return one per sampled id"
-                    )
-                    raise ValueError(msg)
-                logprobs = None
+        kind, sampled, logprobs, server_prompt = read_turn(
+            interface, agent.renderer, element.ids, response, kind
+        )
+        if server_prompt is not None:
+            element = self.server_break(server_prompt)
         if kind != "exact":
             self.fidelity = min(self.fidelity, kind, key=RANK.__getitem__)
-        offset = len(element.ids)
-        element.sampled(sampled, logprobs, response)
-        if sampled:
-            element.sampling.append(sampling_span(offset, args, response))
-        if not response.policy_epoch and sampled:
-            element.unstamped(self.shared.start_epoch, offset)
-        elif not element.policy_epoch:
-            element.unstamped(self.shared.start_epoch, 0)
+        element.take(sampled, logprobs, response, args, self.shared.start_epoch)
         return response, sampled, kind
 
     def server_break(self, server_prompt: list[int]) -> Element:

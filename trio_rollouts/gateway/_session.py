@@ -40,19 +40,18 @@ from .._episodes import (
     TemplateBreakError,
     TokenFidelityError,
     backend_fidelity,
-    describe_backend,
     fidelity_error,
     numbered,
+    read_turn,
     takes_messages,
-    token_mismatch,
+    turn_record,
     what_lacked,
 )
 from .._gate import call_start_epoch
 from .._messages import ChatMessage, GenerationArgs
 from .._models import Problem, TokenRollout
-from .._sampling import sampling_span, seeded
+from .._sampling import seeded
 from ..inference import InferenceInterface, InferenceRequest, InferenceResponse, Pausable
-from ..inference._interface import ReturnsLogProbs
 from ..inference._sampling import derive_seed
 from ..renderers import AssistantTurn, Renderer
 
@@ -374,44 +373,15 @@ class SessionState:
         )
         response = await self.inference.agenerate(request)
         # From here to the return: no checkpoint, so the call commits as a whole.
-        token_ids = response.token_ids
-        logprobs: list[float] | None = None
-        if kind == "retokenized" or token_ids is None:
-            kind = "retokenized"
-            sampled = self.renderer.encode(response.response.content)
-        else:
-            prompt_length = response.prompt_length
-            if prompt_length is None or not 0 <= prompt_length <= len(token_ids):
-                msg = (
-                    f"{describe_backend(self.inference)} returned token_ids with prompt_length="
-                    f"{prompt_length!r}; it must be the number of prompt ids in token_ids"
-                )
-                raise ValueError(msg)
-            prompt, sampled = token_ids[:prompt_length], token_ids[prompt_length:]
-            if prompt != element.ids:
-                if kind == "exact":
-                    raise token_mismatch(self.inference, element.ids, prompt)
-                self.server_break(prompt)
-                element = self.elements[-1]
-            logprobs = response.logprobs
-            if logprobs is not None and len(logprobs) != len(sampled):
-                if isinstance(self.inference, ReturnsLogProbs):
-                    msg = (
-                        f"{describe_backend(self.inference)} returned {len(logprobs)} logprobs for "
-                        f"{len(sampled)} sampled ids; it must return one per sampled id"
-                    )
-                    raise ValueError(msg)
-                logprobs = None
+        kind, sampled, logprobs, server_prompt = read_turn(
+            self.inference, self.renderer, element.ids, response, kind
+        )
+        if server_prompt is not None:
+            self.server_break(server_prompt)
+            element = self.elements[-1]
         if kind != "exact":
             self.fidelity = min(self.fidelity, kind, key=RANK.__getitem__)
-        offset = len(element.ids)
-        element.sampled(sampled, logprobs, response)
-        if sampled:
-            element.sampling.append(sampling_span(offset, args, response))
-        if not response.policy_epoch and sampled:
-            element.unstamped(self.start_epoch, offset)
-        elif not element.policy_epoch:
-            element.unstamped(self.start_epoch, 0)
+        offset = element.take(sampled, logprobs, response, args, self.start_epoch)
         self.last_sampled = list(sampled)
         self.last_open = response.finish_reason == "length" or kind == "retokenized"
         return response, sampled, kind, offset
@@ -467,23 +437,8 @@ class SessionState:
         }
 
     def record(self, turn: AssistantTurn, response: InferenceResponse, start: int) -> None:
-        self.per_turn.append(
-            {
-                "element": len(self.elements) - 1,
-                "start": start,
-                "end": len(self.elements[-1].ids),
-                "finish_reason": response.finish_reason,
-                "tool_calls": [
-                    {
-                        "id": call.id,
-                        "name": call.name,
-                        "arguments": call.arguments,
-                        "error": call.parse_error,
-                    }
-                    for call in turn.tool_calls
-                ],
-            }
-        )
+        end = len(self.elements[-1].ids)
+        self.per_turn.append(turn_record(turn, response, len(self.elements) - 1, start, end))
 
     def check_fidelity(self, minimum: str) -> None:
         if RANK[self.promised] < RANK[minimum]:
