@@ -225,8 +225,9 @@ def page_runs() -> Iterator[Any]:
             continue
         name = page.relative_to(ROOT).as_posix()
         yield pytest.param(page, "embedded", id=f"embedded-{name}")
-        # The text-only run differs only where an example builds an EmbeddedInference.
-        if any("EmbeddedInference" in e.code for e in runnable):
+        # The text-only run differs only where an example builds an EmbeddedInference,
+        # and runs only the examples that are not embedded-only.
+        if any("EmbeddedInference" in e.code and not e.embedded_only for e in runnable):
             yield pytest.param(page, "text-only", id=f"text-only-{name}")
 
 

@@ -305,7 +305,12 @@ def test_grouped_request_sampling_check_and_seed_are_checked() -> None:
 
 
 async def single_turn_run(
-    args: GenerationArgs, seed: int | None, *, groups: int = 5, members: int = 3
+    args: GenerationArgs,
+    seed: int | None,
+    *,
+    groups: int = 5,
+    members: int = 3,
+    group_calls: bool = True,
 ) -> tuple[tr.GroupedRolloutRequest, Recording, list[tr.RolloutGroup]]:
     interface = Recording(seed=1, policy=fixed(["A", "BB", "CCC"], [0.5, 0.3, 0.2]))
     agent = PassGraded(prompts=tr.PromptSource(PROBLEMS, seed=4), parallel_generation_tasks=4)
@@ -316,17 +321,21 @@ async def single_turn_run(
         generation_args=args,
         streaming=True,
         seed=seed,
+        group_calls=group_calls,
     )
     async with agent.get_grouped_rollouts(request) as stream:
         taken = [await stream.receive() for _ in range(groups)]
     return request, interface, taken
 
 
+@pytest.mark.parametrize("group_calls", [False, True], ids=["member-calls", "group-calls"])
 async def test_each_rollout_records_its_span_at_the_prompt_length_with_its_seed(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, group_calls: bool
 ) -> None:
+    """One call per member: each member's own seed. One call per group (n): the call
+    is sent member 0's seed s, and member i records s + i, the seed of its choice."""
     args = GenerationArgs(temperature=0.8, max_tokens=10)
-    request, interface, groups = await single_turn_run(args, seed=7)
+    request, interface, groups = await single_turn_run(args, seed=7, group_calls=group_calls)
     rollouts = token_rollouts(groups)
     assert len(rollouts) == 5 * 3
     passes: dict[str, list[int]] = {}
@@ -338,11 +347,13 @@ async def test_each_rollout_records_its_span_at_the_prompt_length_with_its_seed(
         for member, rollout in enumerate(group):
             assert isinstance(rollout, TokenRollout)
             start = LENGTHS[problem_id]
-            seed = expected_seed(request, problem_id, data_pass, member)
+            seed = expected_seed(request, problem_id, data_pass, 0 if group_calls else member)
             assert seed is not None
             # request_seed is the documented hash (run seed, epoch, problem, data pass,
             # member, turn).
-            assert seed == derive_seed(7, 0, problem_id, data_pass, member, 0)
+            assert seed == derive_seed(7, 0, problem_id, data_pass, 0 if group_calls else member, 0)
+            if group_calls:
+                seed += member
             assert rollout.sampling == [
                 [
                     SamplingSpan(
@@ -384,7 +395,7 @@ async def test_without_a_run_seed_every_span_has_the_args_seed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     args = GenerationArgs(temperature=0.9, seed=5)
-    _, interface, groups = await single_turn_run(args, seed=None, groups=3)
+    _, interface, groups = await single_turn_run(args, seed=None, groups=3, group_calls=False)
     for rollout in token_rollouts(groups):
         assert rollout.problem_id is not None
         assert rollout.sampling == [
@@ -833,7 +844,11 @@ def test_retrying_a_group_sends_new_seeds() -> None:
             failure_policy=tr.FailurePolicy(max_attempts=2, wait_initial=0.1, wait_jitter=0.0),
         )
         request = tr.GroupedRolloutRequest(
-            num_groups=1, rollouts_per_group=2, inference_interface=interface, seed=7
+            num_groups=1,
+            rollouts_per_group=2,
+            inference_interface=interface,
+            seed=7,
+            group_calls=False,
         )
         async with agent.get_grouped_rollouts(request) as stream:
             group = await stream.receive()
@@ -1069,7 +1084,14 @@ async def test_an_episode_has_one_span_per_turn_at_its_first_sampled_id(
                 turn["start"] for turn in rollout.extra["episode"]["per_turn"]
             ]
             for turn, span in enumerate(spans):
-                seed = expected_seed(request, rollout.problem_id, 0, member, turn)
+                if turn == 0:
+                    # The first turns are one group call (n), sent member 0's seed s:
+                    # member i's choice was sampled with s + i.
+                    seed = expected_seed(request, rollout.problem_id, 0, 0, 0)
+                    assert seed is not None
+                    seed += member
+                else:
+                    seed = expected_seed(request, rollout.problem_id, 0, member, turn)
                 assert span.seed == seed
                 assert span.args.seed == seed
                 assert span.logprobs_mode == "processed"
@@ -1085,10 +1107,10 @@ async def test_an_episode_has_one_span_per_turn_at_its_first_sampled_id(
 
 @attrs.define(eq=False, kw_only=True)
 class Probed(EmbeddedInference):
-    """The embedded backend with a probe that says what ``replicas`` says, counting its
+    """The embedded backend with a probe that says what ``answers`` says, counting its
     probes and the requests it receives."""
 
-    replicas: list[ReplicaProbe] = attrs.field(
+    answers: list[ReplicaProbe] = attrs.field(
         factory=lambda: [
             ReplicaProbe(base_url="http://a", logprobs_mode="raw"),
             ReplicaProbe(base_url="http://b", logprobs_mode="processed"),
@@ -1101,7 +1123,7 @@ class Probed(EmbeddedInference):
     async def probe(self) -> list[ReplicaProbe]:
         self.probes += 1
         await trio.lowlevel.checkpoint()
-        return list(self.replicas)
+        return list(self.answers)
 
     async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
         self.calls += 1
@@ -1179,14 +1201,14 @@ async def test_a_sampling_mask_removes_the_cut_warning_but_not_the_temperature_o
         ReplicaProbe(base_url="http://a", logprobs_mode="raw", sampling_mask=True),
         ReplicaProbe(base_url="http://b", logprobs_mode="processed", sampling_mask=True),
     ]
-    interface = Probed(replicas=masked)
+    interface = Probed(answers=masked)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         await open_and_take(interface, check_request(interface, GenerationArgs(top_p=0.9)))
     assert bias_warnings(caught) == []
     assert interface.probes == 1
 
-    interface = Probed(replicas=masked)
+    interface = Probed(answers=masked)
     args = GenerationArgs(top_p=0.9, temperature=0.7)
     with pytest.warns(tr.SamplingBiasWarning) as caught_too:
         await open_and_take(interface, check_request(interface, args))
@@ -1253,7 +1275,7 @@ async def test_unbiased_args_probe_only_a_vllm_interface(
 async def test_the_probe_is_made_once_per_stream_open(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    interface = Probed(replicas=[ReplicaProbe(base_url="http://b", logprobs_mode="processed")])
+    interface = Probed(answers=[ReplicaProbe(base_url="http://b", logprobs_mode="processed")])
     request = tr.GroupedRolloutRequest(
         num_groups=2,
         rollouts_per_group=2,

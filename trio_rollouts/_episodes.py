@@ -54,6 +54,7 @@ from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, SamplingSp
 from ._sampling import request_seed, sampling_span, seeded
 from .inference._errors import TokenMismatchError
 from .inference._interface import (
+    GeneratesGroups,
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
@@ -62,6 +63,8 @@ from .inference._interface import (
     accepts_tokens,
 )
 from .inference._pausable import Pausable
+from .inference._placement import call_episode
+from .inference._sampling import choice_seed
 from .renderers import AssistantTurn, Renderer
 
 __all__ = ["ACLOSE_SECONDS", "MultiTurnAgent", "TemplateBreakError", "TokenFidelityError"]
@@ -390,12 +393,15 @@ class MultiTurnAgent(GroupedRolloutGenerator):
         """The problem of one group: the next draw from ``prompts``. Override it to take
         problems from elsewhere.
 
-        Cancellation: a checkpoint."""
-        await trio.lowlevel.checkpoint()
+        Cancellation: a schedule point after the draw, never cancelled (so the groups
+        of one run draw their problems in the order the pipeline starts them, whatever
+        order Trio runs their tasks in, and a drawn problem is never lost)."""
         if self.prompts is None:
             msg = f"{type(self).__name__} has no prompts; pass prompts= or override get_problem"
             raise ValueError(msg)
-        return self.prompts.draw()
+        problem = self.prompts.draw()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return problem
 
     async def group_rollout(self, request: GroupedRolloutRequest) -> list[TokenRollout]:
         """Run ``request.rollouts_per_group`` episodes of one problem concurrently.
@@ -428,6 +434,16 @@ class MultiTurnAgent(GroupedRolloutGenerator):
             else:
                 start_epoch = 0
         episode = _Episode(self, problem, request, start_epoch, fidelity)
+        size = request.rollouts_per_group
+        if (
+            request.group_calls
+            and size > 1
+            and isinstance(interface, GeneratesGroups)
+            # live_environments is shared by every group: siblings waiting for each
+            # other while holding slots could wait forever.
+            and self.live_environments is None
+        ):
+            episode.first_turns = FirstTurns(interface, size)
         try:
             return await gather(
                 [
@@ -474,6 +490,8 @@ class _Episode:
     #: What aclose() raised in episodes cancelled by a sibling's failure or a shutdown:
     #: one warning for the group, not one per episode.
     closes_that_failed: list[str] = attrs.field(factory=list)
+    #: The episodes' first turns as one group call (``None``: one call per episode).
+    first_turns: FirstTurns | None = None
 
     def warn_closes_that_failed(self) -> None:
         if self.closes_that_failed:
@@ -513,8 +531,13 @@ class _Episode:
                 )
                 raise TypeError(msg)
         run = _Run(self, env, member)
+        call_episode.set(member)  # this task's calls: the episode's turns
         try:
-            rollout = await run.episode()
+            try:
+                rollout = await run.episode()
+            finally:
+                if self.first_turns is not None:
+                    self.first_turns.withdraw(member)
         except BaseException as exc:
             if isinstance(exc, Exception):
                 exc.add_note(self.note(member, run.where))
@@ -555,6 +578,92 @@ class _Episode:
                 "and was cancelled; what it holds may not have been released"
             )
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+
+@attrs.define(eq=False)
+class FirstTurns:
+    """The first turns of a group's episodes as one group call (``n``), when they are the
+    same request.
+
+    Each episode hands in its first request (:meth:`generate`) and waits. Once every
+    episode still running has (an episode that ends before its first turn withdraws),
+    the lowest-numbered one makes the call: one
+    :meth:`~trio_rollouts.inference.GeneratesGroups.agenerate_group` with its request
+    when all are the same but for their seed, else nothing, and each episode then makes
+    its own call. With seeds, choice ``i`` was sampled with ``seed + i`` (vLLM's rule),
+    ``seed`` being the lowest episode's.
+    """
+
+    interface: InferenceInterface
+    expected: int
+    requests: dict[int, InferenceRequest] = attrs.field(factory=dict)
+    responses: dict[int, tuple[InferenceResponse, int | None]] = attrs.field(factory=dict)
+    ready: trio.Event = attrs.field(factory=trio.Event)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    separate: bool = False
+    withdrawn: set[int] = attrs.field(factory=set)
+
+    def withdraw(self, member: int) -> None:
+        """Episode ``member`` has ended (or failed): it will hand in no first request."""
+        if member in self.requests or member in self.withdrawn:
+            return
+        self.withdrawn.add(member)
+        self.expected -= 1
+        if self.requests and len(self.requests) >= self.expected:
+            self.ready.set()
+
+    async def generate(
+        self, member: int, request: InferenceRequest
+    ) -> tuple[InferenceResponse, int | None]:
+        """Episode ``member``'s first turn: its response, and the seed its choice was
+        sampled with when that is not its request's (``None``: its own).
+
+        Cancellation: the group's episodes are cancelled together; a cancelled leader
+        cancels the group call.
+        """
+        self.requests[member] = request
+        if len(self.requests) >= self.expected:
+            self.ready.set()
+        await self.ready.wait()
+        if member == min(self.requests) and not self.done.is_set():
+            try:
+                await self._call()
+            finally:
+                self.done.set()
+        else:
+            await self.done.wait()
+        if self.separate or member not in self.responses:
+            return await self.interface.agenerate(request), None
+        return self.responses[member]
+
+    async def _call(self) -> None:
+        members = sorted(self.requests)
+        first = self.requests[members[0]]
+        interface = self.interface
+        if (
+            not isinstance(interface, GeneratesGroups)
+            or len(members) == 1
+            or not all(_same_but_seed(first, self.requests[m]) for m in members[1:])
+        ):
+            self.separate = True
+            return
+        token = call_episode.set(None)  # placed for the group, not for one episode
+        try:
+            responses = await interface.agenerate_group(first, len(members))
+        finally:
+            call_episode.reset(token)
+        seed = first.generation_args.seed
+        for i, (m, response) in enumerate(zip(members, responses, strict=True)):
+            self.responses[m] = (response, choice_seed(seed, i))
+
+
+def _same_but_seed(a: InferenceRequest, b: InferenceRequest) -> bool:
+    return (
+        a.prompt_ids == b.prompt_ids
+        and a.tools == b.tools
+        and a.prompt == b.prompt
+        and attrs.evolve(a.generation_args, seed=None) == attrs.evolve(b.generation_args, seed=None)
+    )
 
 
 @attrs.define(eq=False)
@@ -667,7 +776,13 @@ class _Run:
             generation_args=args,
             prompt_ids=list(element.ids) if kind == "exact" else None,
         )
-        response = await interface.agenerate(inference_request)
+        first = self.shared.first_turns
+        if first is not None and self.turns == 0:
+            response, choice_seed = await first.generate(self.member, inference_request)
+            if choice_seed is not None:
+                args = seeded(args, choice_seed)
+        else:
+            response = await interface.agenerate(inference_request)
         token_ids = response.token_ids
         if token_ids is None:
             kind = "retokenized"  # whatever the markers promised: the text is all there is

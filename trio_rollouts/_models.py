@@ -150,7 +150,13 @@ class GroupedRolloutRequest(Request):
     a stable hash of (``seed``, the epoch it starts under, the problem's id, the member's
     index in its group, the turn, the continuation), so a replayed or resumed run sends
     the same seeds and no two requests of a run share one (``None``: no seed is sent,
-    unless ``generation_args.seed`` sets one for every request)."""
+    unless ``generation_args.seed`` sets one for every request).
+
+    ``group_calls`` (default ``True``): when the interface is
+    :class:`~trio_rollouts.inference.GeneratesGroups`, :class:`~trio_rollouts.RewardOnlyAgent`
+    asks for a group's completions in one call (vLLM's ``n``: the prompt is prefilled
+    once), and :class:`~trio_rollouts.MultiTurnAgent` its episodes' first turns when they
+    are the same request; ``False`` sends one call per member."""
 
     num_groups: int = attrs.field(validator=_int_at_least(1))
     rollouts_per_group: int = attrs.field(validator=_int_at_least(1))
@@ -163,6 +169,7 @@ class GroupedRolloutRequest(Request):
     max_staleness: int | None = attrs.field(default=None, validator=_optional_int_at_least(0))
     sampling_check: str = attrs.field(default="warn", validator=_check_sampling_check)
     seed: int | None = attrs.field(default=None, validator=_check_run_seed)
+    group_calls: bool = attrs.field(default=True, validator=_check_bool)
 
 
 def _check_interface_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -157,6 +157,7 @@ from ._slots import PARKED, SENT, Slots
 from ._stream import RolloutStream, discard_untaken, open_stream
 from .inference import Pausable
 from .inference._interface import require_raw
+from .inference._placement import call_group
 
 if TYPE_CHECKING:
     from ._agents import GroupedRolloutGenerator
@@ -286,6 +287,7 @@ class Pipeline:
         "receive_channel",
         "request",
         "result_epoch",
+        "run_seed",
         "same_reward_groups",
         "seeded",
         "send_channel",
@@ -340,6 +342,7 @@ class Pipeline:
         self.may_retry = self.policy.max_attempts > 1
         # Whether request seeds are derived per group (they need its slot).
         self.seeded = request.seed is not None
+        self.run_seed = request.seed or 0
         self.skipping = self.policy.on_failure == "skip"
         # Whether the gate's watchdog times the fast path's first attempts.
         self.timed = self.fast and self.group_timeout is not None
@@ -475,6 +478,8 @@ class Pipeline:
         call_epoch = self.call_epoch
         set_start_epoch = call_start_epoch.set
         seeded = self.seeded
+        run_seed = self.run_seed
+        set_group = call_group.set
         # How this worker last stopped waiting, for Slots.claim's books: PARKED or SENT
         # (unparked, or woken from a full channel's send, to claim next), or 0.
         woken = 0
@@ -525,6 +530,7 @@ class Pipeline:
                     ledger.in_flight += 1
                     epoch = call_epoch[number] = gate.epoch
                     set_start_epoch(epoch)
+                    set_group((run_seed, batch_id, index))
                     if seeded:
                         call_slot.set(slot)
                     if timed:
@@ -734,6 +740,7 @@ class Pipeline:
         ledger.in_flight += 1
         epoch = self.call_epoch[number] = gate.epoch
         call_start_epoch.set(epoch)
+        call_group.set((self.run_seed, batch_id, index))
         if self.seeded:
             call_slot.set((batch_id, index))
         if env is not None:

@@ -27,8 +27,15 @@ from ._concurrency import gather_bounded
 from ._messages import GenerationArgs
 from ._models import GroupedRolloutRequest, Problem, Rollout, TokenRollout
 from ._sampling import request_seed, sampling_span, seeded
-from .inference import InferenceInterface, InferenceRequest, InferenceResponse, ReturnsTokens
+from .inference import (
+    GeneratesGroups,
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    ReturnsTokens,
+)
 from .inference._interface import require_raw
+from .inference._sampling import choice_seed
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -308,9 +315,16 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         :meth:`annotate_rollout` each).
 
         Completion ``i`` is requested ``i``-th (a seeded backend gives it the ``i``-th
-        sample of the prompt). The first failure (inference or reward) cancels the other
-        calls and propagates as itself; a reward that is not a finite number is a
-        ``ValueError`` naming the problem and environment.
+        sample of the prompt). When the interface is
+        :class:`~trio_rollouts.inference.GeneratesGroups` and ``request.group_calls``
+        allows (the default), the completions come from one
+        :meth:`~trio_rollouts.inference.GeneratesGroups.agenerate_group` call (with a run
+        seed, the call is sent member 0's seed ``s`` and member ``i``'s sampling record
+        shows ``s + i``, the seed vLLM samples choice ``i`` of an ``n`` request with); the
+        rewards are computed concurrently as the choices come back together. The first failure
+        (inference or reward) cancels the other calls and propagates as itself; a reward
+        that is not a finite number is a ``ValueError`` naming the problem and
+        environment.
 
         Cancellation: cancelling this cancels every inference call of the group; it
         returns or raises only after all of them have exited.
@@ -334,6 +348,36 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
                 for member in range(size)
             ]
 
+        if request.group_calls and size > 1 and isinstance(interface, GeneratesGroups):
+            sent = requests[0]
+            seed = sent.generation_args.seed
+            if seed is not None:
+                # What each choice was sampled with: seed + i, as vLLM seeds them.
+                requests = [
+                    attrs.evolve(
+                        sent,
+                        generation_args=attrs.evolve(
+                            sent.generation_args, seed=choice_seed(seed, i)
+                        ),
+                    )
+                    for i in range(size)
+                ]
+            else:
+                requests = [sent] * size
+            responses = await interface.agenerate_group(sent, size)
+
+            def score(response: InferenceResponse) -> Callable[[], Awaitable[float]]:
+                async def call() -> float:
+                    return _check_reward(
+                        await self.get_reward(problem, response), problem, self.env_id
+                    )
+
+                return call
+
+            rewards = await gather_bounded([score(response) for response in responses], size)
+            scored = list(zip(responses, rewards, strict=True))
+            return self._built(interface, problem, scored, requests)
+
         def one(sent: InferenceRequest) -> Callable[[], Awaitable[tuple[InferenceResponse, float]]]:
             async def call() -> tuple[InferenceResponse, float]:
                 response = await interface.agenerate(sent)
@@ -346,6 +390,15 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
 
         calls = [one(sent) for sent in requests]
         scored = await gather_bounded(calls, size)
+        return self._built(interface, problem, scored, requests)
+
+    def _built(
+        self,
+        interface: InferenceInterface,
+        problem: Problem,
+        scored: list[tuple[InferenceResponse, float]],
+        requests: list[InferenceRequest],
+    ) -> list[Rollout] | list[TokenRollout]:
         rollouts = build_rollouts(
             interface, problem, scored, self.env_id, [sent.generation_args for sent in requests]
         )

@@ -13,10 +13,11 @@ the tool-call rate measured (episodes with at least one tool call) and the polic
 exact one, its exact accuracy, and the mean number of turns (:class:`ToolStepMetrics`).
 
 On a virtual clock a seed fixes every number: each call reaches the engine after a
-seeded delay (:func:`dispatch_delayed`), and a group's episodes, which send identical
-requests at the same instant and so share out the engine's sample streams in an order
-Trio varies, are returned in a canonical order (sorted by their ids, logprobs and
-epochs).
+seeded delay (:func:`dispatch_delayed`), every request carries a seed of its own
+(``GroupedRolloutRequest.seed``: a group's episodes send identical requests at one
+instant, which would otherwise share out the engine's sample streams in an order Trio
+varies), and a group's episodes are returned in a canonical order (sorted by their ids,
+logprobs and epochs).
 """
 
 from __future__ import annotations
@@ -217,6 +218,9 @@ async def run_tool_demo(
         enforce_order=True,
         filter_groups_with_same_reward=config.filter_groups,
         max_staleness=config.max_staleness,
+        # Every request seeded: identical requests at one instant no longer share out
+        # the engine's sample streams in an order Trio varies.
+        seed=config.seed,
     )
     initial_rate, initial_accuracy = policy.tool_call_rate(), policy.accuracy()
     if on_start is not None:

@@ -8,6 +8,8 @@ from ._embedded import EmbeddedInference as EmbeddedInference
 from ._embedded import HashedPromptPolicy as HashedPromptPolicy
 from ._embedded import LatencyModel as LatencyModel
 from ._embedded import Policy as Policy
+from ._engine import EngineModel as EngineModel
+from ._engine import EngineStatistics as EngineStatistics
 from ._errors import TRANSIENT_ERRORS as TRANSIENT_ERRORS
 from ._errors import AuthenticationError as AuthenticationError
 from ._errors import BadRequestError as BadRequestError
@@ -22,6 +24,7 @@ from ._errors import ServerError as ServerError
 from ._errors import TokenMismatchError as TokenMismatchError
 from ._errors import UnsupportedFieldError as UnsupportedFieldError
 from ._interface import AcceptsTokens as AcceptsTokens
+from ._interface import GeneratesGroups as GeneratesGroups
 from ._interface import InferenceInterface as InferenceInterface
 from ._interface import InferenceRequest as InferenceRequest
 from ._interface import InferenceResponse as InferenceResponse
@@ -38,5 +41,8 @@ from ._pausable import WEIGHT_UPDATE_MODES as WEIGHT_UPDATE_MODES
 from ._pausable import Pausable as Pausable
 from ._pausable import WeightUpdateError as WeightUpdateError
 from ._pausable import WeightUpdateMode as WeightUpdateMode
+from ._placement import DEFAULT_ROUTING_MARGIN as DEFAULT_ROUTING_MARGIN
+from ._placement import ROUTINGS as ROUTINGS
+from ._placement import Routing as Routing
 from ._retry import RetryBackoff as RetryBackoff
 from ._sampling import ReplicaProbe as ReplicaProbe

@@ -27,8 +27,22 @@ import trio
 
 from .._checks import check_natural, int_at_least, non_negative
 from .._messages import ChatMessage, GenerationArgs
+from ._engine import (
+    Call,
+    Cluster,
+    Counters,
+    EngineModel,
+    EngineRequest,
+    EngineStatistics,
+    Replica,
+    admission_order,
+    next_step_end,
+    settle,
+    steps_in_progress,
+)
 from ._interface import (
     AcceptsTokens,
+    GeneratesGroups,
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
@@ -37,8 +51,23 @@ from ._interface import (
     render_plain_chat,
 )
 from ._pausable import WEIGHT_UPDATE_MODES, Pausable, WeightUpdateMode
+from ._placement import (
+    DEFAULT_ROUTING_MARGIN,
+    Placement,
+    Routing,
+    check_routing,
+    current_call,
+)
+from ._sampling import choice_seed
 
-__all__ = ["EmbeddedInference", "HashedPromptPolicy", "LatencyModel", "Policy"]
+__all__ = [
+    "EmbeddedInference",
+    "EngineModel",
+    "EngineStatistics",
+    "HashedPromptPolicy",
+    "LatencyModel",
+    "Policy",
+]
 
 #: A policy: from the prompt's messages to candidate completions and their
 #: probabilities (non-negative weights, normalized by the backend).
@@ -110,7 +139,9 @@ def _decode_code_points(ids: list[int]) -> str:
 
 
 @attrs.define(kw_only=True, eq=False)
-class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTokens, Pausable):
+class EmbeddedInference(
+    InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTokens, GeneratesGroups, Pausable
+):
     """A simulated inference engine (no model, no server) for demos, docs and tests.
 
     - ``policy``: maps the prompt's messages to ``(completions, probabilities)``
@@ -157,6 +188,20 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
     )
     latency: LatencyModel = attrs.field(
         factory=LatencyModel, validator=attrs.validators.instance_of(LatencyModel)
+    )
+    engine: EngineModel | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(EngineModel)),
+    )
+    replicas: int = attrs.field(default=1, validator=int_at_least(1))
+    routing: Routing = attrs.field(default="group", validator=check_routing)
+    routing_margin: int = attrs.field(default=DEFAULT_ROUTING_MARGIN, validator=int_at_least(0))
+    _counters: list[Counters] = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(
+            lambda self: [Counters() for _ in range(self.replicas)], takes_self=True
+        ),
     )
     _generation_epoch: int = attrs.field(init=False, default=0)
     _requests_per_prompt: dict[bytes, int] = attrs.field(init=False, factory=dict, repr=False)
@@ -294,31 +339,173 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
         check_natural("epoch", epoch)
         self._generation_epoch = epoch
 
+    def __attrs_post_init__(self) -> None:
+        if self.replicas > 1 and self.engine is None:
+            msg = (
+                f"replicas={self.replicas} needs engine=EngineModel(...): without an engine "
+                "model each request's time is drawn alone, so replicas would change nothing"
+            )
+            raise ValueError(msg)
+
+    def engine_statistics(self) -> tuple[EngineStatistics, ...]:
+        """Each replica's :class:`EngineStatistics` over the interface's life (``running``
+        and ``waiting``: now, in the calling Trio run; 0 outside one). Empty without
+        ``engine``. Not a checkpoint; safe from any thread between runs."""
+        if self.engine is None:
+            return ()
+        replicas: list[Replica] | None = None
+        try:
+            state = self._run_states.get()
+        except RuntimeError:  # outside a Trio run
+            state = None
+        if state is not None and state.cluster is not None:
+            replicas = state.cluster.replicas
+        stats = []
+        for number, counters in enumerate(self._counters):
+            replica = replicas[number] if replicas is not None else None
+            stats.append(
+                EngineStatistics(
+                    replica=number,
+                    prompt_tokens=counters.prompt_tokens,
+                    prefix_cache_hits=counters.prefix_cache_hits,
+                    prefill_tokens=counters.prefill_tokens,
+                    generation_tokens=counters.generation_tokens,
+                    preemptions=counters.preemptions,
+                    running=len(replica.running) if replica is not None else 0,
+                    waiting=len(replica.waiting) if replica is not None else 0,
+                    busy_seconds=counters.busy_seconds,
+                    steps=counters.steps,
+                )
+            )
+        return tuple(stats)
+
     async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
         """Sample a completion and simulate its generation.
 
         Raises ``ValueError`` when the policy returns no candidates or bad
-        probabilities.
+        probabilities, or (with ``engine``) when the prompt and completion cannot fit in
+        a replica's KV cache.
 
         Cancellation: a checkpoint at least once (the first-token wait); cancellable at
-        every token step and while held by a pause, leaving nothing behind.
+        every token step and while held by a pause, leaving nothing behind (with
+        ``engine``, the request leaves its replica's queue or batch, and its blocks are
+        freed, at once).
         """
-        messages = request.prompt
-        if request.prompt_ids is None:
-            prompt_text = render_plain_chat(messages)
-        else:
-            prompt_text = _decode_code_points(request.prompt_ids)
-            if not messages:
-                messages = [ChatMessage(role="user", content=prompt_text)]
+        prompt_text, messages = self._prompt(request)
         # The random stream is fixed on arrival, so a pause never changes the sample.
         rng = self._request_rng(prompt_text, request.generation_args.seed)
+        if self.engine is not None:
+            (response,) = await self._engine_generate(request, prompt_text, messages, [rng])
+            return response
+        return await self._latency_generate(request, prompt_text, messages, rng)
+
+    async def base_generate_group(
+        self, request: InferenceRequest, n: int
+    ) -> list[InferenceResponse]:
+        """``n`` completions of ``request``, as ``n`` calls of :meth:`base_generate` made
+        one after the other would sample them: choice 0 is what one call samples, and
+        choice ``i`` of a request with ``GenerationArgs.seed`` is what one call with the
+        seed ``seed + i`` samples (as vLLM seeds the choices of an ``n`` request).
+
+        With ``engine``, the choices go to one replica together (placed as one call), so
+        the prompt is prefilled once and its blocks shared; without it, each choice waits
+        its own latency. A subclass that overrides :meth:`base_generate` gets ``n`` calls
+        of it.
+
+        Cancellation: as :meth:`base_generate`, for every choice: none is left running.
+        """
+        seed = request.generation_args.seed
+        choices = [request]
+        for i in range(1, n):
+            if seed is None:
+                choices.append(request)
+            else:
+                args = attrs.evolve(request.generation_args, seed=choice_seed(seed, i))
+                choices.append(attrs.evolve(request, generation_args=args))
+        responses: list[InferenceResponse | None] = [None] * n
+        if type(self).base_generate is not EmbeddedInference.base_generate:
+
+            async def overridden(i: int) -> None:
+                responses[i] = await self.base_generate(choices[i])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(overridden, i)
+            return [response for response in responses if response is not None]
+        prompt_text, messages = self._prompt(request)
+        # Drawn in choice order, before any waiting: choice i is the i-th sample.
+        rngs = [self._request_rng(prompt_text, choice.generation_args.seed) for choice in choices]
+        if self.engine is not None:
+            return await self._engine_generate(request, prompt_text, messages, rngs)
+
+        async def choice(i: int) -> None:
+            responses[i] = await self._latency_generate(choices[i], prompt_text, messages, rngs[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(choice, i)
+        return [response for response in responses if response is not None]
+
+    def _prompt(self, request: InferenceRequest) -> tuple[str, list[ChatMessage]]:
+        messages = request.prompt
+        if request.prompt_ids is None:
+            return render_plain_chat(messages), messages
+        prompt_text = _decode_code_points(request.prompt_ids)
+        if not messages:
+            messages = [ChatMessage(role="user", content=prompt_text)]
+        return prompt_text, messages
+
+    def _sampled(
+        self,
+        messages: list[ChatMessage],
+        args: GenerationArgs,
+        rng: np.random.Generator,
+    ) -> tuple[str, str, float]:
+        """``(completion, generated, probability)``: the completion drawn, the part of
+        it generated (``max_tokens``), and its probability as sampled."""
+        completions, probs = self._distribution(messages)
+        index, probability = _sample(probs, args, rng)
+        completion = completions[index]
+        max_tokens = args.max_tokens
+        generated = completion if max_tokens is None else completion[:max_tokens]
+        return completion, generated, probability
+
+    def _response(
+        self,
+        prompt_text: str,
+        completion: str,
+        generated: str,
+        probability: float,
+        policy_epoch: list[tuple[int, int]],
+        kv_cache_epoch: list[tuple[int, int]],
+        num_evictions: int = 0,
+    ) -> InferenceResponse:
+        token_logprob = math.log(probability) / len(completion) if completion else 0.0
+        raw_text = prompt_text + generated
+        return InferenceResponse(
+            response=ChatMessage(role="assistant", content=generated),
+            raw_text=raw_text,
+            token_ids=[ord(character) for character in raw_text],
+            prompt_length=len(prompt_text),  # the code points of prompt_ids when given
+            logprobs=[token_logprob] * len(generated),
+            policy_epoch=policy_epoch,
+            kv_cache_epoch=kv_cache_epoch,
+            num_evictions=num_evictions,
+            finish_reason="length" if len(generated) < len(completion) else "stop",
+            logprobs_mode="processed",
+        )
+
+    async def _latency_generate(
+        self,
+        request: InferenceRequest,
+        prompt_text: str,
+        messages: list[ChatMessage],
+        rng: np.random.Generator,
+    ) -> InferenceResponse:
+        """One request whose time the :class:`LatencyModel` draws (no engine)."""
         state = self._run_state()
         await state.hold(admission=True)
-        completions, probs = self._distribution(messages)
-        index, probability = _sample(probs, request.generation_args, rng)
-        completion = completions[index]
-        max_tokens = request.generation_args.max_tokens
-        generated = completion if max_tokens is None else completion[:max_tokens]
+        completion, generated, probability = self._sampled(messages, request.generation_args, rng)
         speed = self.latency.speed_factor(rng)
         first_token = self.latency.first_token * speed
         per_token = self.latency.per_token * speed
@@ -355,21 +542,136 @@ class EmbeddedInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accepts
         finally:
             state.admitted -= 1
             state.wake_pause()
-
-        token_logprob = math.log(probability) / len(completion) if completion else 0.0
-        raw_text = prompt_text + generated
-        return InferenceResponse(
-            response=ChatMessage(role="assistant", content=generated),
-            raw_text=raw_text,
-            token_ids=[ord(character) for character in raw_text],
-            prompt_length=len(prompt_text),  # the code points of prompt_ids when given
-            logprobs=[token_logprob] * len(generated),
-            policy_epoch=policy_epoch,
-            kv_cache_epoch=kv_cache_epoch,
-            num_evictions=0,
-            finish_reason="length" if len(generated) < len(completion) else "stop",
-            logprobs_mode="processed",
+        return self._response(
+            prompt_text, completion, generated, probability, policy_epoch, kv_cache_epoch
         )
+
+    # ------------------------------------------------------------------ the engine
+
+    async def _engine_generate(
+        self,
+        request: InferenceRequest,
+        prompt_text: str,
+        messages: list[ChatMessage],
+        rngs: list[np.random.Generator],
+    ) -> list[InferenceResponse]:
+        """The choices of one call, generated by the engine model on one replica."""
+        engine = self.engine
+        if engine is None:  # pragma: no cover - callers check
+            raise RuntimeError("no engine model")
+        state = self._run_state()
+        await state.hold(admission=True)
+        sampled = [self._sampled(messages, request.generation_args, rng) for rng in rngs]
+        prompt_ids = [ord(character) for character in prompt_text]
+        capacity = engine.num_blocks * engine.block_size
+        longest = len(prompt_ids) + max(len(generated) for _, generated, _ in sampled)
+        if longest > capacity:
+            msg = (
+                f"a request of {len(prompt_ids)} prompt ids and up to "
+                f"{longest - len(prompt_ids)} generated ones needs {longest} ids of KV "
+                f"cache, more than a replica holds (EngineModel num_blocks * block_size = "
+                f"{capacity}); raise num_blocks or lower max_tokens"
+            )
+            raise ValueError(msg)
+        cluster = self._cluster(state, engine)
+        group, episode = current_call()
+        cluster.arrived += 1
+        order = admission_order(group, episode, cluster.arrived)
+        sequences = [
+            EngineRequest(
+                tokens=prompt_ids + [ord(character) for character in generated],
+                prompt_length=len(prompt_ids),
+                target=len(generated),
+                order=order,
+            )
+            for _, generated, _ in sampled
+        ]
+        call = Call(sequences, group, episode)
+        cluster.submit(call)
+        state.admitted += 1
+        try:
+            for sequence in sequences:
+                await sequence.done.wait()
+        finally:
+            state.admitted -= 1
+            state.wake_pause()
+            cluster.end(call)
+        responses = []
+        for sequence, (completion, generated, probability) in zip(sequences, sampled, strict=True):
+            if sequence.error is not None:
+                msg = "the simulated engine failed"
+                raise RuntimeError(msg) from sequence.error
+            policy_epoch = sequence.policy_epoch or [(0, self._generation_epoch)]
+            kv_cache_epoch = sequence.kv_cache_epoch or list(policy_epoch)
+            responses.append(
+                self._response(
+                    prompt_text,
+                    completion,
+                    generated,
+                    probability,
+                    policy_epoch,
+                    kv_cache_epoch,
+                    sequence.preemptions,
+                )
+            )
+        return responses
+
+    def _cluster(self, state: _RunState, engine: EngineModel) -> Cluster:
+        cluster = state.cluster
+        if cluster is None:
+            placement = Placement(
+                replicas=self.replicas, routing=self.routing, margin=self.routing_margin
+            )
+            replicas = [
+                Replica(number, engine, counters) for number, counters in enumerate(self._counters)
+            ]
+            cluster = state.cluster = Cluster(engine, placement, replicas)
+            trio.lowlevel.spawn_system_task(
+                self._run_cluster, state, cluster, name=f"{type(self).__name__} engine"
+            )
+        return cluster
+
+    async def _run_cluster(self, state: _RunState, cluster: Cluster) -> None:
+        """System task: runs the replicas' steps for this Trio run (until it ends)."""
+        try:
+            await self._cluster_loop(state, cluster)
+        except Exception as error:  # an error here would crash the whole run
+            cluster.fail(error)
+
+    async def _cluster_loop(self, state: _RunState, cluster: Cluster) -> None:
+        replicas = cluster.replicas
+        while True:
+            holding = state.holds_in_flight()
+            if holding and steps_in_progress(cluster) == 0:
+                # A keep or abort pause, and no step left: hold until resume().
+                if await state.hold(admission=False):
+                    for replica in replicas:
+                        replica.preempt_all()
+            elif holding or not cluster.arrivals:
+                with trio.move_on_at(next_step_end(cluster)):
+                    await cluster.wake.park()
+            now = trio.current_time()
+            epoch = self._generation_epoch
+            for replica in replicas:
+                if replica.step_end is not None and replica.step_end <= now:
+                    replica.finish_step(epoch)
+                    state.decoding -= 1
+            state.wake_pause()
+            if state.holds_in_flight():
+                # Hold before the pause can return and a resume come: without a
+                # checkpoint, so an abort stops what ran, whenever resume() comes.
+                continue
+            # Every task that runs at this instant runs (the calls that arrive now
+            # arrive, a pause starts) before anything is placed or scheduled.
+            await settle()
+            if state.holds_in_flight():
+                continue
+            cluster.dispatch()
+            now = trio.current_time()
+            epoch = self._generation_epoch
+            for replica in replicas:
+                if replica.step_end is None and replica.has_work and replica.start_step(now, epoch):
+                    state.decoding += 1
 
     def _run_state(self) -> _RunState:
         state = self._run_states.get()
@@ -436,6 +738,8 @@ class _RunState:
     prefilling: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
     #: The pause() waiting for ``busy`` to reach 0.
     quiet: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
+    #: The engine model's replicas in this run (``engine`` only; made at first use).
+    cluster: Cluster | None = None
 
     def busy(self, mode: WeightUpdateMode) -> int:
         return self.decoding if mode in _HOLDING_MODES else self.admitted

@@ -22,6 +22,7 @@ from ._sampling import LogprobsMode
 
 __all__ = [
     "AcceptsTokens",
+    "GeneratesGroups",
     "InferenceInterface",
     "InferenceRequest",
     "InferenceResponse",
@@ -272,6 +273,65 @@ class InferenceInterface(abc.ABC):
             )
             raise RuntimeError(msg)
         return trio.run(self.agenerate, request)
+
+
+class GeneratesGroups(abc.ABC):
+    """Capability: the interface generates a whole group of completions of one prompt
+    in one call (vLLM's ``n``), so the server prefills the prompt once and schedules the
+    choices together.
+
+    :meth:`agenerate_group` returns ``n`` responses, one per choice, each as
+    :meth:`InferenceInterface.agenerate` would return it: its own ``token_ids``,
+    ``logprobs``, ``policy_epoch`` and ``finish_reason``, and usage split per choice
+    (the prompt's ids are in every choice's ``token_ids``). A choice that a weight
+    update aborts is continued on its own. ``RewardOnlyAgent`` and
+    ``MultiTurnAgent``'s first turn use it when the backend has it and
+    ``GroupedRolloutRequest.group_calls`` allows.
+
+    A request with ``prompt_ids`` needs an :class:`AcceptsTokens` backend, as for
+    :meth:`~InferenceInterface.agenerate`. A request with ``GenerationArgs.seed`` ``s``
+    samples choice ``i`` as a separate call with the seed ``s + i`` would (modulo
+    2**63): vLLM seeds the choices of an ``n`` request so, and the library's backends
+    and fallbacks do the same; choice 0 is a plain call with ``s``.
+    """
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    async def base_generate_group(
+        self, request: InferenceRequest, n: int
+    ) -> list[InferenceResponse]:
+        """Generate ``n`` completions of ``request``. Backends implement this; ``n`` is an
+        int >= 1, checked by :meth:`agenerate_group`.
+
+        Cancellation: as :meth:`InferenceInterface.base_generate`, for the whole group.
+        """
+
+    async def agenerate_group(self, request: InferenceRequest, n: int) -> list[InferenceResponse]:
+        """``n`` completions of ``request``, one response per choice, in choice order.
+
+        Raises ``TypeError``/``ValueError`` for a bad request or an ``n`` that is not an
+        int >= 1 (before anything is sent), else what the backend's calls raise.
+
+        Cancellation: cancellable at any point; a cancelled group leaves none of its
+        choices running and holds no resource.
+        """
+        if isinstance(n, bool) or not isinstance(n, int):
+            msg = f"n must be an int >= 1 (the number of completions), got {n!r:.40}"
+            raise TypeError(msg)
+        if n < 1:
+            msg = f"n must be >= 1 (the number of completions), got {n}"
+            raise ValueError(msg)
+        if not isinstance(request, InferenceRequest):
+            msg = f"agenerate_group() takes an InferenceRequest, got {type(request).__name__}"
+            raise TypeError(msg)
+        if request.prompt_ids is not None and not accepts_tokens(self):
+            msg = (
+                f"{type(self).__name__} cannot generate from token ids: send a request "
+                "without prompt_ids, or use a backend that takes them"
+            )
+            raise TypeError(msg)
+        return await self.base_generate_group(request, n)
 
 
 def require_raw(interface: object, needed_by: str) -> None:

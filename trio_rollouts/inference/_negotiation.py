@@ -18,6 +18,11 @@ is about to write it (once it holds a connection), so requests that were waiting
 connection when the first refusal arrived never carry the field: a burst of first
 requests costs at most one refusal per connection. Concurrent requests already on the
 wire each hit the refusal and send again, and one logs.
+
+It also holds whether each replica takes a group in one request (``n``, for
+:meth:`~trio_rollouts.inference.OpenAIInference.agenerate_group`): ``True`` until the
+replica refuses ``n`` or answers one choice for ``n > 1``; from then on its groups go as
+separate requests. That too only ever changes one way, and is logged once.
 """
 
 from __future__ import annotations
@@ -63,10 +68,26 @@ class Capabilities:
 
     dropped: tuple[set[str], ...]
     _logged: dict[tuple[int, str], object] = attrs.field(factory=dict)
+    # Per replica: whether it may be sent a request for n > 1 choices (False once it
+    # refused n or answered one choice for it).
+    takes_n: list[bool] = attrs.field(factory=list)
 
     @classmethod
     def for_replicas(cls, n: int) -> Capabilities:
-        return cls(tuple(set() for _ in range(n)))
+        return cls(tuple(set() for _ in range(n)), takes_n=[True] * n)
+
+    def stop_n(self, replica: int, shown_url: str, why: str) -> None:
+        """Send ``replica`` no more requests for several choices: its groups go as
+        separate requests from now on (``why``: what it did; logged once)."""
+        self.takes_n[replica] = False
+        self.warn_once(
+            replica,
+            "n",
+            "%s %s; its groups are sent as separate requests from now on (the prompt is "
+            "then shared through its prefix cache only)",
+            shown_url,
+            why,
+        )
 
     def without_dropped(self, replica: int, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` minus the fields this replica refused (``body`` itself if none)."""

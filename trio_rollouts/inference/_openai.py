@@ -2,21 +2,22 @@
 ``transformers serve``, llama.cpp, Ollama).
 
 :class:`OpenAIInference` is configuration only; everything mutable (the run's
-:class:`~._transport.Transport`, in-flight counts, the round-robin cursor) lives in a
-per-Trio-run state held in a :class:`trio.lowlevel.RunVar`. The transport is made lazily
-by the first request of a run and closed when that run ends, by a system task that Trio
-cancels after the main task returns; so a pipeline never manages it, a sync
-:meth:`generate` (its own ``trio.run``) leaves nothing behind, and no connection outlives
-the loop it is bound to. ``async with interface:`` / :meth:`OpenAIInference.aclose` close
-it earlier.
+:class:`~._transport.Transport`, in-flight counts, the :class:`~._placement.Placement` of
+calls on replicas) lives in a per-Trio-run state held in a
+:class:`trio.lowlevel.RunVar`. The transport is made lazily by the first request of a
+run and closed when that run ends, by a system task that Trio cancels after the main
+task returns; so a pipeline never manages it, a sync :meth:`generate` (its own
+``trio.run``) leaves nothing behind, and no connection outlives the loop it is bound to.
+``async with interface:`` / :meth:`OpenAIInference.aclose` close it earlier.
 
-What this module does is the request's life: pick the least-loaded replica, build the
-body from what negotiation learned (:mod:`._negotiation`) when the transport is about to
-write it, send it again without a refused field, retry transient failures
+What this module does is the request's life: place it on a replica (:mod:`._placement`),
+build the body from what negotiation learned (:mod:`._negotiation`) when the transport is
+about to write it, send it again without a refused field, retry transient failures
 (:mod:`._retry`), hold calls during a weight update and continue the ones a pause
-aborted (:mod:`._control`). The transports (:mod:`._transport`) own the HTTP and its error
-map, :mod:`._parse` reads responses, :mod:`._config` holds :class:`Timeout` and
-:class:`Limits`.
+aborted (:mod:`._control`); and a group's life: one request for ``n`` choices where the
+replica takes it, else ``n`` requests, each choice continued on its own. The transports
+(:mod:`._transport`) own the HTTP and its error map, :mod:`._parse` reads responses,
+:mod:`._config` holds :class:`Timeout` and :class:`Limits`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import httpx2
 import trio
 
 from .._checks import int_at_least, is_real
+from .._concurrency import flatten_exception_groups
 from .._messages import ChatMessage
 from ._config import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, KEEPALIVE_EXPIRY, Limits, Timeout
 from ._control import (
@@ -59,6 +61,7 @@ from ._errors import (
 )
 from ._interface import (
     AcceptsTokens,
+    GeneratesGroups,
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
@@ -74,10 +77,18 @@ from ._negotiation import (
     refused_negotiable,
     says_unknown,
 )
-from ._parse import Response, error_for_status, parse_completion, redact, server_message
+from ._parse import (
+    Response,
+    error_for_status,
+    parse_choices,
+    parse_completion,
+    redact,
+    server_message,
+)
 from ._pausable import Pausable, WeightUpdateMode
+from ._placement import DEFAULT_ROUTING_MARGIN, Placement, Routing, check_routing, current_call
 from ._retry import RetryBackoff, call_with_retries
-from ._sampling import LogprobsMode, ReplicaProbe
+from ._sampling import LogprobsMode, ReplicaProbe, choice_seed
 from ._transport import Transport, TransportKind, encode_json, open_transport, proxied
 from ._vllm import (
     NativeCall,
@@ -137,17 +148,23 @@ class OpenAIStatistics:
 
     Counted over the interface's life, every Trio run together (each sync
     :meth:`~OpenAIInference.generate` is a run of its own): requests sent (``attempts``,
-    counting a request sent again without a refused field), retries made across all
-    replicas (``retries``), the calls that were retried at least once
-    (``retried_requests``), and why (``retry_reasons``: one :class:`RetryReason` per error
-    class and message, most frequent first). A run's counts are added when it ends; while
-    it runs, :meth:`~OpenAIInference.statistics` called in it includes them, one called
-    in another thread does not yet. A pickled copy starts from zero.
+    counting a request sent again without a refused field), the completions they asked
+    for (``choices``: a group call's request for ``n`` choices is one attempt and ``n``
+    choices, so ``choices`` above ``attempts`` shows groups sent as one request; a group
+    sent as separate requests counts ``n`` of each), retries made across all replicas
+    (``retries``), the calls that were retried at least once (``retried_requests``), and
+    why (``retry_reasons``: one :class:`RetryReason` per error class and message, most
+    frequent first). A run's counts are added when it ends; while it runs,
+    :meth:`~OpenAIInference.statistics` called in it includes them, one called in another
+    thread does not yet. A pickled copy starts from zero.
 
-    Of the current run only: requests on the wire now (``in_flight``) and calls waiting
-    for a weight update's :meth:`~OpenAIInference.resume` (``held``). What negotiation
-    learned, per replica, over the interface's life: the request fields that replica
-    refused and that are no longer sent to it (``dropped_fields``, sorted).
+    Of the current run only: requests in progress now (``in_flight``: placed on the
+    replica and not answered yet, a request for ``n`` choices counting one; the load
+    placement reads) and calls waiting for a weight update's
+    :meth:`~OpenAIInference.resume` (``held``). What negotiation learned, per
+    replica, over the interface's life: the request fields that replica refused and that
+    are no longer sent to it (``dropped_fields``, sorted), ``n`` among them for a replica
+    that refused ``n`` or answered one choice to it (its groups go as separate requests).
     """
 
     base_urls: tuple[str, ...]
@@ -158,6 +175,7 @@ class OpenAIStatistics:
     held: int = 0
     retried_requests: int = 0
     retry_reasons: tuple[RetryReason, ...] = ()
+    choices: tuple[int, ...] = ()
 
 
 def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -286,7 +304,10 @@ _RESERVED_EXTRA_BODY = {
     "prompt": _FROM_THE_PROMPT,
     "tools": "the client sets it: give tools with the request (InferenceRequest(tools=...))",
     "stream": "the client reads whole responses, it does not stream",
-    "n": "only the first choice is read: make one request per sample",
+    "n": (
+        "the client sets it: agenerate_group(request, n) asks n completions of one prompt "
+        "in one request (agenerate makes one request per sample)"
+    ),
 }
 
 
@@ -335,6 +356,7 @@ class _Counts:
     def __init__(self, replicas: int) -> None:
         self._lock = threading.Lock()
         self.attempts = [0] * replicas
+        self.choices = [0] * replicas
         self.retries = 0
         self.retried_requests = 0
         self.reasons: dict[tuple[str, str], int] = {}
@@ -347,10 +369,11 @@ class _Counts:
             reason = (reason[0], "(other messages)")
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
-    def add(self, attempts: Sequence[int], other: _Counts) -> None:
-        """Add a run's ``attempts`` and retries (thread-safe)."""
+    def add(self, attempts: Sequence[int], choices: Sequence[int], other: _Counts) -> None:
+        """Add a run's ``attempts``, ``choices`` and retries (thread-safe)."""
         with self._lock:
             self.attempts = [a + b for a, b in zip(self.attempts, attempts, strict=True)]
+            self.choices = [a + b for a, b in zip(self.choices, choices, strict=True)]
             self.retries += other.retries
             self.retried_requests += other.retried_requests
             for reason, count in other.reasons.items():
@@ -359,7 +382,7 @@ class _Counts:
     def copy(self) -> _Counts:
         copy = _Counts(len(self.attempts))
         with self._lock:
-            copy.add(self.attempts, self)
+            copy.add(self.attempts, self.choices, self)
         return copy
 
     def __getstate__(self) -> dict[str, Any]:
@@ -375,15 +398,16 @@ class _RunState:
     the run ends (or aclose() closes it)."""
 
     transport: Transport
-    in_flight: list[int]
+    in_flight: list[int]  # requests placed and not answered, per replica: the load
     attempts: list[int]
+    choices: list[int]
+    placement: Placement
     pause: PauseState
     totals: _Counts
     counts: _Counts
     native: NativeRun
     models: ServedModels = attrs.field(factory=ServedModels)
     probes: ProbeRun = attrs.field(factory=ProbeRun)
-    next_replica: int = 0
     keeper_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     closed: trio.Event = attrs.field(factory=trio.Event)
     added: bool = False
@@ -391,7 +415,7 @@ class _RunState:
     def add_to_totals(self) -> None:
         if not self.added:
             self.added = True
-            self.totals.add(self.attempts, self.counts)
+            self.totals.add(self.attempts, self.choices, self.counts)
 
 
 async def _close_at_run_exit(state: _RunState) -> None:
@@ -421,15 +445,16 @@ class _EpochBox:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTokens, Pausable):
+class OpenAIInference(
+    InferenceInterface, GeneratesGroups, ReturnsRaw, ReturnsLogProbs, AcceptsTokens, Pausable
+):
     """An OpenAI-compatible HTTP server (vLLM, SGLang, Megatron, OpenAI, ``transformers
     serve``, llama.cpp's server, Ollama) as an inference interface. Frozen: it is
     configuration; what changes lives with each Trio run, except what negotiation learns
     about the replicas (below), which the interface keeps for its whole life.
 
     - ``base_url``: the API root including ``/v1`` (as in the OpenAI SDK), or a list of
-      them: replicas serving the same model. Each attempt goes to the replica with the
-      fewest attempts in flight, ties broken round-robin.
+      them: replicas serving the same model, over which ``routing`` spreads the calls.
     - ``model``: the served model's name. ``api_key``: sent as ``Authorization: Bearer``;
       ``None`` reads ``OPENAI_API_KEY`` (no header when neither is set). It never
       appears in a repr, a log line or an error.
@@ -477,10 +502,10 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
     - ``extra_body``: more top-level JSON fields for every request (e.g.
       ``{"min_p": 0.05}``); they override the two options above but never the model, the
       prompt, the tools or a set generation argument. A key the client sets itself
-      (``model``, ``messages``, ``prompt``, ``tools``) or cannot honour (``stream``,
-      ``n``) is a ``ValueError`` saying what to use instead. They are explicit, never
-      negotiated: a refusal naming one raises :class:`UnsupportedFieldError`, as does
-      one naming a set generation argument.
+      (``model``, ``messages``, ``prompt``, ``tools``, ``n``: :meth:`agenerate_group`) or
+      cannot honour (``stream``) is a ``ValueError`` saying what to use instead. They
+      are explicit, never negotiated: a refusal naming one raises
+      :class:`UnsupportedFieldError`, as does one naming a set generation argument.
 
     - ``token_prompts``: whether a request with ``prompt_ids`` is sent as an id prompt
       (``/v1/completions``, ``"prompt": [ids]``, the form vLLM and SGLang take; the
@@ -513,6 +538,52 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
       with one warning naming it and the flag. ``kv_cache_epoch`` stays as on the OpenAI
       routes: vLLM does not say which KV blocks a continuation read from a prefix cache
       computed under older weights.
+    - ``routing``: which replica each call goes to. The load of a replica is its
+      requests in flight from this interface (a request for ``n`` choices is one); the
+      pipeline names each call's group (and the library's agents its episode) as it
+      names the epoch.
+
+      - ``"group"`` (the default): the first call of a group goes to the least loaded
+        replica, ties broken by a seeded hash of the group's key (not "the first
+        replica"); the group's later calls, and every turn of each of its episodes, go to
+        the same replica unless it has more than ``routing_margin`` calls in flight above
+        the least loaded, not counting the group's own (siblings sent together stay
+        together), and then to that one (which becomes the group's). A group is
+        ``G`` requests with one prompt, and an episode sends its growing context every
+        turn: the prompt is prefilled once per replica it lands on, and every later call
+        there reads it from the prefix cache, so keeping a group on one replica computes
+        the prompt once instead of up to once per replica (``tools/vllm/placement_checks.py``
+        measures it on two vLLM servers). Calls outside any group (outside the pipeline)
+        are placed as ``"least_loaded"``.
+      - ``"least_loaded"``: the replica with the fewest requests in flight, ties taken in
+        turn (an idle pool alternates).
+      - ``"round_robin"``: each replica in turn, whatever their load.
+
+      Placement is a pure function of the group keys and the order of calls, so two
+      seeded runs place alike; it is per Trio run (each sync :meth:`generate` starts
+      afresh). A retry picks again. A group call (:meth:`agenerate_group`) is placed
+      once: every request of it goes to one replica (a retry picks again, and the rest
+      of the group follows).
+    - ``routing_margin``: how many calls in flight a group's replica may have above the
+      least loaded one before the group's next call goes elsewhere
+      (:data:`DEFAULT_ROUTING_MARGIN`; ``0``: only while it is among the least loaded).
+
+    **Groups.** :meth:`agenerate_group` (the interface is
+    :class:`~trio_rollouts.inference.GeneratesGroups`) sends one request for ``n``
+    completions (``"n": n``) on the route a call takes (chat, completions, or vLLM's
+    native route, which takes ``sampling_params.n``): the server prefills the prompt once
+    and schedules the choices together. It returns one response per choice, each with its
+    own ``token_ids``, ``logprobs``, ``finish_reason`` and ``policy_epoch``, and ``usage``
+    split per choice (the prompt's tokens in each, the choice's own completion tokens); a
+    choice that a pause aborted is continued on its own. A replica that refuses ``n`` (a
+    400 or 422 naming it: vLLM's native route refuses ``n`` above ``--max-num-seqs``) or
+    answers one choice for ``n > 1`` gets its groups as ``n`` concurrent requests from
+    then on, for the interface's life (one warning per replica; :meth:`statistics` lists
+    ``n`` among its ``dropped_fields``); so does a greedy request (``temperature`` 0,
+    which vLLM refuses with ``n > 1``). Those requests of a seeded group carry ``seed +
+    i``, the seed vLLM gives choice ``i`` of a request with ``n``: the same ids either
+    way. In :meth:`statistics`, a request for ``n`` choices is one of ``attempts`` (and
+    of ``in_flight`` while it runs) and ``n`` of ``choices``.
 
     Every set field of the request's ``GenerationArgs`` is forwarded as is
     (``temperature``, ``top_p``, ``max_tokens``, ``seed``, and ``top_k`` as a top-level
@@ -564,6 +635,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         default=None, validator=attrs.validators.optional(attrs.validators.in_(SERVER_KINDS))
     )
     token_prompts: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    routing: Routing = attrs.field(default="group", validator=check_routing)
+    routing_margin: int = attrs.field(default=DEFAULT_ROUTING_MARGIN, validator=int_at_least(0))
     # The replicas as shown in errors (no credentials), parsed once, not per attempt.
     _shown_urls: tuple[str, ...] = attrs.field(
         init=False,
@@ -678,6 +751,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 transport=self._make_transport(),
                 in_flight=[0] * n,
                 attempts=[0] * n,
+                choices=[0] * n,
+                placement=Placement(replicas=n, routing=self.routing, margin=self.routing_margin),
                 pause=self._pause_state(),
                 totals=self._totals,
                 counts=_Counts(n),
@@ -718,13 +793,17 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         except RuntimeError:  # outside a Trio run
             state = None
         n = len(self.base_url)
-        dropped = tuple(tuple(sorted(fields)) for fields in self._capabilities.dropped)
+        capabilities = self._capabilities
+        dropped = tuple(
+            tuple(sorted(fields if takes_n else fields | {"n"}))
+            for fields, takes_n in zip(capabilities.dropped, capabilities.takes_n, strict=True)
+        )
         counts = self._totals.copy()
         in_flight, held = (0,) * n, 0
         if state is not None:
             in_flight, held = tuple(state.in_flight), state.pause.held
             if not state.added:
-                counts.add(state.attempts, state.counts)
+                counts.add(state.attempts, state.choices, state.counts)
         reasons = sorted(counts.reasons.items(), key=lambda item: (-item[1], item[0]))
         return OpenAIStatistics(
             base_urls=self._shown_urls,
@@ -738,6 +817,7 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 RetryReason(error=error, message=message, count=count)
                 for (error, message), count in reasons
             ),
+            choices=tuple(counts.choices),
         )
 
     # ----------------------------------------------------------------------- the probe
@@ -970,7 +1050,8 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
     # ----------------------------------------------------------------------- requests
 
     async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
-        """Send ``request`` to the least-loaded replica, retrying transient failures.
+        """Send ``request`` to the replica :attr:`routing` picks, retrying transient
+        failures (each retry picks again).
 
         Raises an :class:`InferenceError` subclass naming the URL, the status and the
         server's message; after retries, the last attempt's error, with a note counting
@@ -993,13 +1074,13 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         the generation, except on vLLM's native route, where the request is aborted by
         its id from a system task (best effort, without delaying the cancellation).
         """
-        endpoint: Literal["chat", "completions"] = self.endpoint
+        # The hot path, written out (a group's separate calls take _generate_one).
         if request.prompt_ids is None:
             body = self._request_body(request)
+            path = _ENDPOINT_PATHS[self.endpoint]
         else:
-            endpoint = "completions"
             body = self._token_request_body(request)
-        path = _ENDPOINT_PATHS[endpoint]
+            path = _ENDPOINT_PATHS["completions"]
         state = self._state()
         pause = state.pause
         if pause.hold is not None:
@@ -1009,9 +1090,9 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         call = NativeCall(start_epoch=epoch) if self._native is not None else None
         server_pauses = pause.server_pauses
         if request.prompt_ids is None:
-            response = await self._attempt_with_retries(state, request, body, path, call=call)
+            (response,) = await self._attempt_with_retries(state, request, body, path, call=call)
         else:
-            response = await self._token_attempt(
+            (response,) = await self._token_attempt(
                 state, request, request.prompt_ids, body, path, call
             )
         if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
@@ -1019,6 +1100,149 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         if not response.policy_epoch:
             response.policy_epoch = [(0, epoch)]
         return response
+
+    async def base_generate_group(
+        self, request: InferenceRequest, n: int
+    ) -> list[InferenceResponse]:
+        """``n`` completions of ``request``, one response per choice, in choice order,
+        from one replica (placed once for the whole group, see :attr:`routing`).
+
+        With ``n == 1``, exactly :meth:`base_generate`. Else one request asking ``n``
+        choices (``"n": n``) on the route the call takes (chat, completions, or vLLM's
+        native route): the server prefills the prompt once. Each response is as
+        :meth:`base_generate` returns one: its own ``token_ids``, ``logprobs``,
+        ``finish_reason``, ``logprobs_mode`` and ``policy_epoch``, and ``usage`` for
+        the choice alone (the prompt's tokens, the choice's completion tokens). A choice
+        that a pause aborted waits for :meth:`resume` and is continued on its own (its
+        own seed, as :meth:`base_generate` continues a call); the others are returned
+        as they are.
+
+        The group goes as ``n`` concurrent requests instead (each as
+        :meth:`base_generate` makes one, on the group's replica) to a replica known not
+        to take ``n``, and for a greedy request (``temperature`` 0: vLLM refuses ``n > 1``
+        for greedy sampling). A replica that refuses ``n`` (400 or 422 naming it) or
+        answers one choice is known from then on, for the interface's life (logged once
+        per replica): this group's missing choices are sent separately (an answered
+        choice is kept), and so are its later groups. The separate requests of a seeded
+        group carry ``seed + i`` (:func:`~._sampling.choice_seed`), the seed vLLM gives
+        choice ``i`` of a request with ``n``: the same ids either way.
+
+        Raises as :meth:`base_generate`: the first failure of the group's requests, as
+        itself (the others cancelled, and named in a note if they failed at once);
+        :class:`MalformedResponseError` for a reply with more than ``n`` choices.
+
+        Cancellation: cancellable at any point; a cancelled group leaves none of its
+        requests running here (one nursery holds them all) and releases their
+        connection slots and in-flight counts; on vLLM's native route each request is
+        aborted by its id (one id for all the choices of a request), as by
+        :meth:`base_generate`.
+        """
+        if n == 1:
+            return [await self.base_generate(request)]
+        body, path = self._body_and_path(request)
+        group = _GroupCall()
+        try:
+            return await self._generate_group(request, body, path, n, group)
+        finally:
+            group.release()
+
+    async def _generate_group(
+        self,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+        n: int,
+        group: _GroupCall,
+    ) -> list[InferenceResponse]:
+        state = self._state()
+        pause = state.pause
+        if pause.hold is not None:
+            await pause.wait_resumed()
+            state = self._state()  # aclose() during the pause closed the old transport
+        epoch = self._epoch.value
+        server_pauses = pause.server_pauses
+        answered: list[InferenceResponse] = []
+        if body.get("temperature") != 0:
+            call = NativeCall(start_epoch=epoch) if self._native is not None else None
+            answered = await self._send(state, request, {**body, "n": n}, path, call, group, n)
+        responses: list[InferenceResponse | None] = [None] * n
+        if group.replica is None:  # nothing sent yet: the separate requests go together
+            group.place(state.placement, state.in_flight)
+
+        async def continue_choice(choice: int, response: InferenceResponse) -> None:
+            call = NativeCall(start_epoch=epoch) if self._native is not None else None
+            body_of_choice = _choice_body(body, choice)
+            response = await self._continue_aborted(
+                state, request, body_of_choice, path, response, call, group
+            )
+            responses[choice] = _stamped(response, epoch)
+
+        async def separate(choice: int) -> None:
+            body_of_choice = _choice_body(body, choice)
+            responses[choice] = await self._generate_one(request, body_of_choice, path, group)
+
+        with flatten_exception_groups():  # a failure is raised as itself
+            async with trio.open_nursery() as nursery:
+                for choice, response in enumerate(answered):
+                    if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
+                        nursery.start_soon(continue_choice, choice, response)
+                    else:
+                        responses[choice] = _stamped(response, epoch)
+                for choice in range(len(answered), n):
+                    nursery.start_soon(separate, choice)
+        return [response for response in responses if response is not None]
+
+    def _body_and_path(self, request: InferenceRequest) -> tuple[dict[str, Any], str]:
+        """The request's body and path: its endpoint's, or ``/completions`` for an id
+        prompt."""
+        if request.prompt_ids is None:
+            return self._request_body(request), _ENDPOINT_PATHS[self.endpoint]
+        return self._token_request_body(request), _ENDPOINT_PATHS["completions"]
+
+    async def _generate_one(
+        self,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+        group: _GroupCall | None = None,
+    ) -> InferenceResponse:
+        """One completion of ``body`` as :meth:`base_generate` makes it (held while paused,
+        continued after a pause's abort, stamped with the epoch it started under unless
+        the server stamped it), on ``group``'s replica."""
+        state = self._state()
+        pause = state.pause
+        if pause.hold is not None:
+            await pause.wait_resumed()
+            state = self._state()  # aclose() during the pause closed the old transport
+        epoch = self._epoch.value
+        call = NativeCall(start_epoch=epoch) if self._native is not None else None
+        server_pauses = pause.server_pauses
+        (response,) = await self._send(state, request, body, path, call, group)
+        if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
+            response = await self._continue_aborted(
+                state, request, body, path, response, call, group
+            )
+        return _stamped(response, epoch)
+
+    async def _send(
+        self,
+        state: _RunState,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+        call: NativeCall | None,
+        group: _GroupCall | None = None,
+        n: int = 1,
+    ) -> list[InferenceResponse]:
+        """``body`` sent with its retries: one response, or for ``n > 1`` one per choice
+        the replica answered (none if it does not take ``n``)."""
+        if request.prompt_ids is None:
+            return await self._attempt_with_retries(
+                state, request, body, path, call=call, group=group, n=n
+            )
+        return await self._token_attempt(
+            state, request, request.prompt_ids, body, path, call, group, n
+        )
 
     async def _continue_aborted(
         self,
@@ -1028,10 +1252,12 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         path: str,
         response: InferenceResponse,
         call: NativeCall | None = None,
+        group: _GroupCall | None = None,
     ) -> InferenceResponse:
         """Continue a response that a pause aborted, after :meth:`resume`, from its
         partial output, until it finishes for another reason (each pause that aborts it
-        again adds a segment); one response.
+        again adds a segment); one response. (A group's aborted choice: ``body`` is the
+        choice's, without ``n``, and the continuation goes to the group's replica.)
 
         With token ids (the default with vLLM and SGLang) the continuation is exact: a
         ``/v1/completions`` request whose prompt is the ids so far
@@ -1062,8 +1288,14 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             continuations += 1
             continued = seed_continuation(continued, body, continuations)
             epoch = self._epoch.value
-            segment = await self._attempt_with_retries(
-                state, request, continued, _ENDPOINT_PATHS[endpoint], endpoint, call=call
+            (segment,) = await self._attempt_with_retries(
+                state,
+                request,
+                continued,
+                _ENDPOINT_PATHS[endpoint],
+                endpoint,
+                call=call,
+                group=group,
             )
             if merged.policy_epoch and not segment.policy_epoch and generated_tokens(segment):
                 # A stamped call continued on a replica that does not stamp: its new
@@ -1104,13 +1336,15 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         body: dict[str, Any],
         path: str,
         call: NativeCall | None = None,
-    ) -> InferenceResponse:
+        group: _GroupCall | None = None,
+        n: int = 1,
+    ) -> list[InferenceResponse]:
         """Send a token-id prompt to ``/v1/completions`` (``path``), or vLLM's native route;
-        the response must carry the token ids, and the prompt ids it echoes must be the
+        each response must carry the token ids, and the prompt ids it echoes must be the
         ones sent."""
         try:
-            response = await self._attempt_with_retries(
-                state, request, body, path, "completions", call=call
+            responses = await self._attempt_with_retries(
+                state, request, body, path, "completions", call=call, group=group, n=n
             )
         except BadRequestError as error:
             if isinstance(error, UnsupportedFieldError):
@@ -1130,16 +1364,17 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
                 status=error.status,
                 server_message=error.server_message,
             ) from error
-        if response.token_ids is None or response.prompt_length is None:
-            msg = (
-                f"{self._shown_urls[0]} returned no token ids for a token-id prompt "
-                "(InferenceRequest.prompt_ids needs the generated ids: the server must "
-                "honour return_token_ids, as vLLM and SGLang do; for a server that does "
-                "not, use OpenAIInference(token_prompts=False))"
-            )
-            raise UnsupportedFieldError(msg, fields=("return_token_ids",))
-        self._check_echo(ids, response, "generated")
-        return response
+        for response in responses:
+            if response.token_ids is None or response.prompt_length is None:
+                msg = (
+                    f"{self._shown_urls[0]} returned no token ids for a token-id prompt "
+                    "(InferenceRequest.prompt_ids needs the generated ids: the server must "
+                    "honour return_token_ids, as vLLM and SGLang do; for a server that does "
+                    "not, use OpenAIInference(token_prompts=False))"
+                )
+                raise UnsupportedFieldError(msg, fields=("return_token_ids",))
+            self._check_echo(ids, response, "generated")
+        return responses
 
     def _token_request_body(self, request: InferenceRequest) -> dict[str, Any]:
         """A ``/v1/completions`` body whose prompt is ``request.prompt_ids``, exactly: no
@@ -1165,9 +1400,13 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         endpoint: Literal["chat", "completions"] | None = None,
         *,
         call: NativeCall | None = None,
-    ) -> InferenceResponse:
-        """One request and its retries (counted in the run's statistics). With ``call``
-        (``server="vllm"``), an attempt may go to the replica's native route."""
+        group: _GroupCall | None = None,
+        n: int = 1,
+    ) -> list[InferenceResponse]:
+        """One request and its retries (counted in the run's statistics): its responses
+        (see :meth:`_attempt`). With ``call`` (``server="vllm"``), an attempt may go to
+        the replica's native route. With ``group``, to the group's replica; a retry
+        chooses again, and the group's later requests follow it."""
 
         retried = False
 
@@ -1175,11 +1414,20 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             nonlocal retried
             state.counts.count_retry(error, first=not retried)
             retried = True
+            if group is not None:
+                group.replica = None
 
+        endpoint = endpoint or self.endpoint
+        if group is None and state.placement.replicas == 1:  # nothing to place
+            attempt = functools.partial(
+                self._attempt_on, state, 0, request, body, path, endpoint, call, n
+            )
+        else:
+            attempt = functools.partial(
+                self._attempt, state, request, body, path, endpoint, call, group, n
+            )
         return await call_with_retries(
-            functools.partial(
-                self._attempt, state, request, body, path, endpoint or self.endpoint, call
-            ),
+            attempt,
             max_retries=self.max_retries,
             backoff=self.backoff,
             on_retry=count_retry,
@@ -1218,15 +1466,6 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
             **request.generation_args.set_fields(),
         }
 
-    def _pick_replica(self, state: _RunState) -> int:
-        n = len(state.in_flight)
-        if n == 1:
-            return 0
-        start = state.next_replica
-        index = min(range(n), key=lambda i: (state.in_flight[i], (i - start) % n))
-        state.next_replica = (index + 1) % n
-        return index
-
     async def _attempt(
         self,
         state: _RunState,
@@ -1235,49 +1474,131 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         path: str,
         endpoint: Literal["chat", "completions"],
         call: NativeCall | None = None,
-    ) -> InferenceResponse:
-        """One attempt: ``body`` to one replica, sent again at once without any negotiable
-        field that the replica refuses (not a retry). With ``call``, to the replica's
-        native vLLM route when it may serve it (a replica that refuses it falls back, in
-        the same attempt)."""
-        index = self._pick_replica(state)
-        native = self._native
-        if native is not None and call is not None and native.takes(index, body):
-            answered = await self._native_attempt(state, native, index, request, body, call)
-            if answered is not None:
-                return answered
-        capabilities = self._capabilities
-        url = self.base_url[index] + path
-        shown = self._shown_urls[index] + path
-        sent = body
-
-        def content() -> bytes:
-            # Built when the transport is about to write it (it holds a connection), so a
-            # field that this replica refused while the request waited is left out.
-            nonlocal sent
-            sent = capabilities.without_dropped(index, body)
-            return encode_json(sent)
-
-        while True:
-            state.in_flight[index] += 1
-            state.attempts[index] += 1
+        group: _GroupCall | None = None,
+        n: int = 1,
+    ) -> list[InferenceResponse]:
+        """One attempt on the replica :attr:`routing` picks for the calling task's group
+        and episode (:func:`~._placement.current_call`), given the requests in flight on
+        each; the pick is released when the attempt ends. With ``group``: on the group's
+        replica, picked by its first attempt and released when the group ends."""
+        placement = state.placement
+        if group is not None:
+            index = group.replica
+            if index is None:
+                index = group.place(placement, state.in_flight)
+        elif placement.replicas == 1:
+            index = 0
+        else:
+            key, episode = current_call()
+            index = placement.pick(state.in_flight, key, episode)
             try:
-                response = await state.transport.post(url, shown, content)
+                return await self._attempt_on(state, index, request, body, path, endpoint, call, n)
             finally:
-                state.in_flight[index] -= 1
-            if 200 <= response.status_code < 300:
-                parsed = parse_completion(endpoint, request, sent, response, shown, self.api_key)
-                parsed.logprobs_mode = self._probe_cache.mode(index)
-                return self._check_returned(index, sent, parsed)
-            said = server_message(response)
-            refused = self._refused_negotiable(response, sent, said)
-            if not refused:
-                error = self._status_error(request, response, index, path, sent, said)
-                if response.status_code == 404 and "model" in said[0].lower():
-                    error = await self._name_served_models(state, index, shown, response, error)
-                raise error
-            # Each pass drops at least one field that was sent, so this loop ends.
-            capabilities.drop(index, refused, self._shown_urls[index])
+                placement.release(key, index)
+        return await self._attempt_on(state, index, request, body, path, endpoint, call, n)
+
+    async def _attempt_on(
+        self,
+        state: _RunState,
+        index: int,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        path: str,
+        endpoint: Literal["chat", "completions"],
+        call: NativeCall | None = None,
+        n: int = 1,
+    ) -> list[InferenceResponse]:
+        """One attempt: ``body`` to replica ``index``, sent again at once without any
+        negotiable field that the replica refuses (not a retry). With ``call``, to the
+        replica's native vLLM route when it may serve it (a replica that refuses it falls
+        back, in the same attempt).
+
+        One response; for ``n > 1`` (``body`` asks ``n`` choices) one per choice the
+        replica answered, none when it does not take ``n``: known before, or learned now
+        from a refusal naming ``n``. One choice answered teaches the same (after this
+        attempt). More than ``n`` is a :class:`MalformedResponseError`."""
+        # Outstanding from the pick to the answer (native first contact, refusals sent
+        # again and all): the load the next pick reads.
+        state.in_flight[index] += 1
+        try:
+            capabilities = self._capabilities
+            if n > 1 and not capabilities.takes_n[index]:
+                return []
+            native = self._native
+            if native is not None and call is not None and native.takes(index, body):
+                try:
+                    answered = await self._native_attempt(
+                        state, native, index, request, body, call, n
+                    )
+                except BadRequestError as refusal:
+                    message = refusal.server_message or ""
+                    if n > 1 and refusal.status in (400, 422) and _names_n(None, message):
+                        capabilities.stop_n(
+                            index, self._shown_urls[index], f"refused n ({message})"
+                        )
+                        return []
+                    raise
+                if answered is not None:
+                    return self._choices_answered(index, answered, n)
+            url = self.base_url[index] + path
+            shown = self._shown_urls[index] + path
+            sent = body
+
+            def content() -> bytes:
+                # Built when the transport is about to write it (it holds a connection), so a
+                # field that this replica refused while the request waited is left out.
+                nonlocal sent
+                sent = capabilities.without_dropped(index, body)
+                return encode_json(sent)
+
+            while True:
+                state.attempts[index] += 1
+                state.choices[index] += n
+                response = await state.transport.post(url, shown, content)
+                if 200 <= response.status_code < 300:
+                    mode = self._probe_cache.mode(index)
+                    if n == 1:
+                        parsed = parse_completion(
+                            endpoint, request, sent, response, shown, self.api_key
+                        )
+                        parsed.logprobs_mode = mode
+                        return [self._check_returned(index, sent, parsed)]
+                    choices = parse_choices(endpoint, request, sent, response, shown, self.api_key)
+                    for parsed in choices:
+                        parsed.logprobs_mode = mode
+                    checked = [self._check_returned(index, sent, parsed) for parsed in choices]
+                    return self._choices_answered(index, checked, n)
+                said = server_message(response)
+                refused = self._refused_negotiable(response, sent, said)
+                if not refused:
+                    message, data = said
+                    if n > 1 and response.status_code in (400, 422) and _names_n(data, message):
+                        why = f"refused n ({redact(message, self.api_key)[:200]})"
+                        capabilities.stop_n(index, self._shown_urls[index], why)
+                        return []
+                    error = self._status_error(request, response, index, path, sent, said)
+                    if response.status_code == 404 and "model" in message.lower():
+                        error = await self._name_served_models(state, index, shown, response, error)
+                    raise error
+                # Each pass drops at least one field that was sent, so this loop ends.
+                capabilities.drop(index, refused, self._shown_urls[index])
+        finally:
+            state.in_flight[index] -= 1
+
+    def _choices_answered(
+        self, index: int, answered: list[InferenceResponse], n: int
+    ) -> list[InferenceResponse]:
+        """The choices replica ``index`` answered to a request for ``n``; one for
+        ``n > 1`` means it ignores ``n`` (remembered), more than ``n`` is malformed."""
+        if n > 1 and len(answered) == 1:
+            self._capabilities.stop_n(
+                index, self._shown_urls[index], f"answered one choice to a request for n={n}"
+            )
+        elif len(answered) > n:
+            shown = self._shown_urls[index]
+            msg = f"{shown} answered {len(answered)} choices to a request for n={n}"
+            raise MalformedResponseError(msg, url=shown)
+        return answered
 
     async def _native_attempt(
         self,
@@ -1287,28 +1608,30 @@ class OpenAIInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTo
         request: InferenceRequest,
         body: dict[str, Any],
         call: NativeCall,
-    ) -> InferenceResponse | None:
+        n: int = 1,
+    ) -> list[InferenceResponse] | None:
         """``body`` on replica ``index``'s native route, counted as an attempt (a refusal
-        too: it was sent); ``None`` if the replica does not serve it."""
+        too: it was sent): a response per choice; ``None`` if the replica does not serve
+        it."""
         # Labelled first, outside the counts: the label is not a generation request.
         await native.first_contact(state.transport, state.native, index)
         sent = self._capabilities.without_dropped(index, body)
-        state.in_flight[index] += 1
         state.attempts[index] += 1
-        try:
-            response = await native.generate(
-                state.transport, state.native, index, request, sent, call
-            )
-        finally:
-            state.in_flight[index] -= 1
-        if response is None:
+        state.choices[index] += n
+        responses = await native.generate(state.transport, state.native, index, request, sent, call)
+        if responses is None:
             return None
-        if not sent.get("return_token_ids") and not isinstance(sent.get("prompt"), list):
-            # Token ids not asked (return_token_ids=False): the response is what the
-            # OpenAI route would give, without them, though the native reply has them.
-            response = attrs.evolve(response, token_ids=None, prompt_length=None)
-        response.logprobs_mode = self._probe_cache.mode(index)
-        return self._check_returned(index, sent, response)
+        # Token ids not asked (return_token_ids=False): the response is what the OpenAI
+        # route would give, without them, though the native reply has them.
+        strip = not sent.get("return_token_ids") and not isinstance(sent.get("prompt"), list)
+        mode = self._probe_cache.mode(index)
+        checked = []
+        for response in responses:
+            if strip:
+                response = attrs.evolve(response, token_ids=None, prompt_length=None)
+            response.logprobs_mode = mode
+            checked.append(self._check_returned(index, sent, response))
+        return checked
 
     def _check_returned(
         self, index: int, sent: dict[str, Any], response: InferenceResponse
@@ -1555,3 +1878,50 @@ _WHAT = {"return_token_ids": "token ids", "logprobs": "log-probabilities"}
 def _message_json(message: ChatMessage) -> dict[str, Any]:
     # Extra keys (tool_calls, tool_call_id, name) pass through; role and content win.
     return {**message.extra, "role": message.role, "content": message.content}
+
+
+@attrs.define(eq=False)
+class _GroupCall:
+    """The replica every request of one group call goes to: picked by its first attempt;
+    a retry picks again, and the group's later requests follow it. Its picks are
+    released when the group ends."""
+
+    replica: int | None = None
+    picks: list[tuple[Placement, tuple[int, int, int] | None, int]] = attrs.field(factory=list)
+
+    def place(self, placement: Placement, load: Sequence[int]) -> int:
+        """Pick the group's replica for the calling task's group and episode."""
+        if placement.replicas == 1:
+            self.replica = 0
+            return 0
+        key, episode = current_call()
+        self.replica = index = placement.pick(load, key, episode)
+        self.picks.append((placement, key, index))
+        return index
+
+    def release(self) -> None:
+        for placement, key, index in self.picks:
+            placement.release(key, index)
+        self.picks.clear()
+
+
+def _choice_body(body: dict[str, Any], choice: int) -> dict[str, Any]:
+    """The body of a group's choice ``choice`` sent on its own: ``body`` with the
+    choice's seed (:func:`~._sampling.choice_seed`) when it has one."""
+    seed = body.get("seed")
+    if choice == 0 or not isinstance(seed, int) or isinstance(seed, bool):
+        return body
+    return {**body, "seed": choice_seed(seed, choice)}
+
+
+def _stamped(response: InferenceResponse, epoch: int) -> InferenceResponse:
+    """``response`` stamped ``[(0, epoch)]`` (the epoch its call started under) when the
+    server stamped nothing."""
+    if not response.policy_epoch:
+        response.policy_epoch = [(0, epoch)]
+    return response
+
+
+def _names_n(data: object, message: str) -> bool:
+    """Whether a 400/422 body names the ``n`` field (a refusal of several choices)."""
+    return bool(named_fields(data, message, ("n",)))

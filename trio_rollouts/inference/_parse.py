@@ -1,6 +1,7 @@
 """Reading what an OpenAI-compatible server answered: the error an HTTP status maps to and
 what the server said about it, ``Retry-After``, and the completion's JSON (text, token ids,
-log-probabilities, Megatron's epoch stamps) as an :class:`InferenceResponse`.
+log-probabilities, Megatron's epoch stamps) as an :class:`InferenceResponse`, or one per
+choice of a request for ``n`` (:func:`parse_choices`, usage split by :func:`choice_usage`).
 
 Everything here is a function of a response (either transport's, through the
 :class:`Response` protocol) and of what was sent; nothing sends. Every message passes
@@ -35,7 +36,9 @@ __all__ = [
     "MAX_SERVER_MESSAGE",
     "Headers",
     "Response",
+    "choice_usage",
     "error_for_status",
+    "parse_choices",
     "parse_completion",
     "read_json",
     "redact",
@@ -259,14 +262,73 @@ def parse_completion(
     shown: str,
     api_key: str | None,
 ) -> InferenceResponse:
-    """The :class:`InferenceResponse` of a 2xx ``response`` to ``sent``; a body that is not
-    the JSON the API promises is a :class:`MalformedResponseError` naming the field."""
+    """The :class:`InferenceResponse` of a 2xx ``response`` to ``sent`` (its first choice);
+    a body that is not the JSON the API promises is a :class:`MalformedResponseError`
+    naming the field."""
     data = read_json(response, shown, api_key)
     try:
-        return _completion(endpoint, request, sent, data)
+        data, choice = first_choice(data)
+        return _completion(endpoint, request, sent, data, choice, _CHOICE)
     except BadField as exc:
         msg = f"POST {shown} returned {response.status_code} but {exc}"
         raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
+
+
+def parse_choices(
+    endpoint: Literal["chat", "completions"],
+    request: InferenceRequest,
+    sent: dict[str, Any],
+    response: Response,
+    shown: str,
+    api_key: str | None,
+) -> list[InferenceResponse]:
+    """One :class:`InferenceResponse` per choice of a 2xx ``response`` to ``sent`` (a
+    request for ``n`` choices), in ``index`` order, each with its usage
+    (:func:`choice_usage`); malformed JSON as :func:`parse_completion`."""
+    data = read_json(response, shown, api_key)
+    try:
+        data, choices = all_choices(data)
+        usage = data.get("usage")
+        responses = []
+        for i, choice in enumerate(choices):
+            parsed = _completion(endpoint, request, sent, data, choice, f"$.choices[{i}]")
+            parsed.usage = choice_usage(usage, _choice_tokens(parsed))
+            responses.append(parsed)
+        return responses
+    except BadField as exc:
+        msg = f"POST {shown} returned {response.status_code} but {exc}"
+        raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
+
+
+#: Usage keys that count the completions of all the choices together.
+_GROUP_USAGE_KEYS = frozenset({"completion_tokens", "total_tokens", "completion_tokens_details"})
+
+
+def choice_usage(
+    usage: dict[str, Any] | None, completion_tokens: int | None
+) -> dict[str, Any] | None:
+    """The usage of one choice of a reply with several: the prompt's counts as the server
+    gave them (every choice has the whole prompt), the choice's own ``completion_tokens``
+    and ``total_tokens`` (left out when ``completion_tokens`` is unknown), and no
+    ``completion_tokens_details`` (the server's are the choices' together)."""
+    if usage is None:
+        return None
+    split = {key: value for key, value in usage.items() if key not in _GROUP_USAGE_KEYS}
+    if completion_tokens is not None:
+        split["completion_tokens"] = completion_tokens
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int) and not isinstance(prompt, bool):
+            split["total_tokens"] = prompt + completion_tokens
+    return split
+
+
+def _choice_tokens(response: InferenceResponse) -> int | None:
+    """A choice's generated tokens: by its token ids, else its logprobs (one each)."""
+    if response.token_ids is not None and response.prompt_length is not None:
+        return len(response.token_ids) - response.prompt_length
+    if response.logprobs is not None:
+        return len(response.logprobs)
+    return None
 
 
 def read_json(response: Response, shown: str, api_key: str | None) -> Any:
@@ -292,49 +354,50 @@ def _completion(
     endpoint: Literal["chat", "completions"],
     request: InferenceRequest,
     sent: dict[str, Any],
-    data: object,
+    data: dict[str, Any],
+    choice: dict[str, Any],
+    where: str,
 ) -> InferenceResponse:
-    data, choice = first_choice(data)
-
+    """The response of one ``choice`` of the reply ``data`` (``where``: its JSON path)."""
     if endpoint == "chat":
         message = choice.get("message")
         if not isinstance(message, dict):
-            msg = "$.choices[0].message is not an object"
+            msg = f"{where}.message is not an object"
             raise BadField(msg)
         # A reply that only calls tools has null content.
-        content = _optional_str(message, "content", "$.choices[0].message") or ""
-        role = _optional_str(message, "role", "$.choices[0].message") or "assistant"
+        content = _optional_str(message, "content", f"{where}.message") or ""
+        role = _optional_str(message, "role", f"{where}.message") or "assistant"
         extra = {key: message[key] for key in _MESSAGE_EXTRA_KEYS if message.get(key)}
         reply = ChatMessage(role=role, content=content, extra=extra)
         prompt_text = render_plain_chat(request.prompt)
         # vLLM puts the prompt's ids at the top level, Megatron on the choice.
-        prompt_ids = _int_list(choice, "prompt_token_ids")
+        prompt_ids = _int_list(choice, "prompt_token_ids", where)
         if prompt_ids is None:
             prompt_ids = _int_list(data, "prompt_token_ids", "$")
-        logprobs = _any_logprobs(choice)
+        logprobs = _any_logprobs(choice, where)
     else:
-        text = _optional_str(choice, "text")
+        text = _optional_str(choice, "text", where)
         if text is None:
-            msg = "$.choices[0].text is missing"
+            msg = f"{where}.text is missing"
             raise BadField(msg)
         reply = ChatMessage(role="assistant", content=text)
         prompt = sent["prompt"]
         # A prompt of token ids (an exact continuation) has no text of its own here.
         prompt_text = prompt if isinstance(prompt, str) else ""
-        prompt_ids = _int_list(choice, "prompt_token_ids")
-        logprobs = _any_logprobs(choice)
+        prompt_ids = _int_list(choice, "prompt_token_ids", where)
+        logprobs = _any_logprobs(choice, where)
 
-    generated_ids = _int_list(choice, "token_ids")  # vLLM
+    generated_ids = _int_list(choice, "token_ids", where)  # vLLM
     if generated_ids is None:
-        generated_ids = _int_list(choice, "generation_token_ids")  # Megatron
-    megatron_logprobs = _float_list(choice, "generation_log_probs")
+        generated_ids = _int_list(choice, "generation_token_ids", where)  # Megatron
+    megatron_logprobs = _float_list(choice, "generation_log_probs", where)
     if megatron_logprobs is not None:
         logprobs = megatron_logprobs
     token_ids = prompt_length = None
     if prompt_ids is not None and generated_ids is not None:
         token_ids = prompt_ids + generated_ids
         prompt_length = len(prompt_ids)
-    raw_text = _optional_str(choice, "raw_text")  # Megatron: what the model saw
+    raw_text = _optional_str(choice, "raw_text", where)  # Megatron: what the model saw
     usage = data.get("usage")
     if usage is not None and not isinstance(usage, dict):
         msg = f"$.usage is a {type(usage).__name__}, not an object"
@@ -345,10 +408,10 @@ def _completion(
         token_ids=token_ids,
         prompt_length=prompt_length,
         logprobs=logprobs,
-        policy_epoch=_epochs(choice, "policy_epoch"),
-        kv_cache_epoch=_epochs(choice, "kv_cache_epoch"),
-        num_evictions=_optional_int(choice, "num_evictions") or 0,
-        finish_reason=_optional_str(choice, "finish_reason"),
+        policy_epoch=_epochs(choice, "policy_epoch", where),
+        kv_cache_epoch=_epochs(choice, "kv_cache_epoch", where),
+        num_evictions=_optional_int(choice, "num_evictions", where) or 0,
+        finish_reason=_optional_str(choice, "finish_reason", where),
         usage=usage,
     )
 
@@ -363,6 +426,20 @@ def first_choice(data: object) -> tuple[dict[str, Any], dict[str, Any]]:
         msg = "$.choices is not a non-empty list of objects"
         raise BadField(msg)
     return data, choices[0]
+
+
+def all_choices(data: object) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A reply's JSON object and its choices, in ``index`` order when every choice has an
+    int ``index`` (else as listed); ``BadField`` if it has none."""
+    data, _ = first_choice(data)
+    choices = data["choices"]
+    if not all(isinstance(choice, dict) for choice in choices):
+        msg = "$.choices is not a list of objects"
+        raise BadField(msg)
+    indexes = [choice.get("index") for choice in choices]
+    if all(isinstance(i, int) and not isinstance(i, bool) for i in indexes):
+        choices = sorted(choices, key=lambda choice: int(choice["index"]))
+    return data, list(choices)
 
 
 class BadField(Exception):
@@ -414,38 +491,38 @@ def _float_list(obj: dict[str, Any], key: str, where: str = _CHOICE) -> list[flo
     return None if value is None else _numbers(value, f"{where}.{key}")
 
 
-def _logprobs_object(choice: dict[str, Any]) -> dict[str, Any] | None:
+def _logprobs_object(choice: dict[str, Any], where: str = _CHOICE) -> dict[str, Any] | None:
     logprobs = choice.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, dict):
-        msg = f"{_CHOICE}.logprobs is not an object"
+        msg = f"{where}.logprobs is not an object"
         raise BadField(msg)
     return logprobs
 
 
-def _any_logprobs(choice: dict[str, Any]) -> list[float] | None:
+def _any_logprobs(choice: dict[str, Any], where: str = _CHOICE) -> list[float] | None:
     """The log-probabilities of a choice in either shape, on either endpoint: the chat
     shape (``logprobs.content[i].logprob``, which llama.cpp's ``llama-server`` also
     answers on ``/v1/completions``) or the legacy completions shape
     (``logprobs.token_logprobs``)."""
-    logprobs = _logprobs_object(choice)
+    logprobs = _logprobs_object(choice, where)
     if logprobs is None:
         return None
     if logprobs.get("content") is not None:
-        return _chat_logprobs(logprobs)
-    return _float_list(logprobs, "token_logprobs", f"{_CHOICE}.logprobs")
+        return _chat_logprobs(logprobs, where)
+    return _float_list(logprobs, "token_logprobs", f"{where}.logprobs")
 
 
-def _chat_logprobs(logprobs: dict[str, Any]) -> list[float]:
+def _chat_logprobs(logprobs: dict[str, Any], where: str = _CHOICE) -> list[float]:
     """``logprobs.content[i].logprob``."""
     content = logprobs.get("content")
-    path = f"{_CHOICE}.logprobs.content"
+    path = f"{where}.logprobs.content"
     if not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
         msg = f"{path} is not a list of objects"
         raise BadField(msg)
     return _numbers([item.get("logprob") for item in content], f"{path}[*].logprob")
 
 
-def _epochs(obj: dict[str, Any], key: str) -> list[tuple[int, int]]:
+def _epochs(obj: dict[str, Any], key: str, where: str = _CHOICE) -> list[tuple[int, int]]:
     """Megatron's ``(start_token_index, epoch)`` pairs; a bare int ``e`` means
     ``[(0, e)]``; absent means ``[]``."""
     value = obj.get(key)
@@ -460,7 +537,7 @@ def _epochs(obj: dict[str, Any], key: str) -> list[tuple[int, int]]:
             or len(item) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
         ):
-            msg = f"{_CHOICE}.{key} is not a list of [start_token_index, epoch] pairs"
+            msg = f"{where}.{key} is not a list of [start_token_index, epoch] pairs"
             raise BadField(msg)
         pairs.append((item[0], item[1]))
     return pairs

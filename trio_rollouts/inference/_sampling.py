@@ -5,7 +5,8 @@ which log-probabilities it returns (``"processed"``: from the distribution it sa
 from, after temperature, top-k and top-p; ``"raw"``: before them, vLLM's default;
 ``"unknown"``), whether it serves vLLM's native ``/inference/v1/generate`` and whether its
 responses carry a sampling mask. :func:`derive_seed` makes the per-request seeds of a run
-from its parts, the same in every process.
+from its parts, the same in every process; :func:`choice_seed` and
+:func:`continuation_seed` the seeds of a group's choices and of a call's continuations.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "LOGPROBS_MODES",
     "LogprobsMode",
     "ReplicaProbe",
+    "choice_seed",
     "continuation_seed",
     "derive_seed",
 ]
@@ -70,3 +72,15 @@ def continuation_seed(seed: int | None, continuation: int) -> int | None:
     if seed is None or continuation == 0:
         return seed
     return derive_seed("continuation", seed, continuation)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice ``choice`` (0-based) of a seeded group sent as separate requests:
+    ``seed + choice`` (modulo 2**63), the seed vLLM gives choice ``choice`` of a request
+    with ``n`` (its ``ParentRequest`` seeds child ``i`` with ``seed + i``). So a seeded
+    group samples the same ids whether a replica takes ``n`` or gets the group as ``n``
+    calls, each choice from a stream of its own, and choice 0 is a plain call with
+    ``seed``. Stable across processes (arithmetic, not ``hash()``)."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed + choice) & _SEED_MASK

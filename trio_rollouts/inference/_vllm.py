@@ -21,6 +21,18 @@ paused; a fresh server labels ``"default"``, and a label outlives its clients). 
 *rewritten* id (the id as sent aborts nothing). Unknown ``sampling_params`` keys are
 ignored silently.
 
+``sampling_params.n`` works there as on the OpenAI routes (measured on 0.32): the reply
+has ``n`` choices (``index`` 0 to ``n - 1``), each with its own ``token_ids``, ``text``,
+``logprobs``, ``finish_reason`` and ``weight_versions``; ``prompt_token_ids`` once, and
+``usage`` for the whole request (the prompt once, the choices' completion tokens added).
+A seeded request samples choice ``i`` with ``seed + i``, the same ids as a request of
+its own with that seed. The engine schedules the choices as ``n`` sequences sharing the
+prompt's KV blocks; aborting the rewritten id aborts them all, and a pause with
+``mode=abort`` ends each with its partial output. It answers 400 for ``n`` above the
+server's ``--max-num-seqs`` (``"sampling_params.n must be at most the server's
+max_num_seqs (16), got 17."``) and, like every route, for ``n > 1`` with greedy
+sampling (``"n must be 1 when using greedy sampling, got 3."``).
+
 :class:`VLLMNative` is what :class:`~trio_rollouts.inference.OpenAIInference` with
 ``server="vllm"`` uses: it turns the body the interface built for an OpenAI route into a
 native request (the prompt as ids, text prompts rendered by the server's ``/tokenize``),
@@ -56,7 +68,16 @@ from ._errors import (
 )
 from ._interface import InferenceRequest, InferenceResponse, render_plain_chat
 from ._negotiation import Capabilities
-from ._parse import BadField, Response, error_for_status, first_choice, read_json, server_message
+from ._parse import (
+    BadField,
+    Response,
+    all_choices,
+    choice_usage,
+    error_for_status,
+    first_choice,
+    read_json,
+    server_message,
+)
 from ._retry import RetryBackoff, call_with_retries
 from ._sampling import LogprobsMode, ReplicaProbe
 from ._transport import Transport, encode_json
@@ -102,6 +123,7 @@ REQUEST_ID_PREFIX: Final = "trio-rollouts-"
 #: Fields of an OpenAI body that are not sampling parameters: the prompt in its OpenAI
 #: forms, what the client asks of the reply (the native reply always has token ids;
 #: logprobs become ``sampling_params.logprobs``) and options of the OpenAI routes only.
+#: (``n``, which only a group call sets, is one: ``sampling_params.n``.)
 _NOT_SAMPLING: Final = frozenset(
     {
         "model",
@@ -115,7 +137,6 @@ _NOT_SAMPLING: Final = frozenset(
         "logprobs",
         "top_logprobs",
         "echo",
-        "n",
         "user",
     }
 )
@@ -267,9 +288,10 @@ def native_body(
     request_id: str, token_ids: list[int], body: dict[str, Any], model: str
 ) -> dict[str, Any]:
     """The native request for an OpenAI ``body``: its sampling fields (generation
-    arguments, ``extra_body``, ``seed``) as ``sampling_params``, logprobs asked as
-    ``sampling_params.logprobs = 1`` when the body asks for them, the text of the
-    generated ids in the reply (``output_mode: "text"``) and the prompt's ids echoed."""
+    arguments, ``extra_body``, ``seed``, a group call's ``n``) as ``sampling_params``,
+    logprobs asked as ``sampling_params.logprobs = 1`` when the body asks for them, the
+    text of the generated ids in the reply (``output_mode: "text"``) and the prompt's ids
+    echoed."""
     skipped = _NOT_SAMPLING | _RENDER_FIELDS | _REQUEST_FIELDS
     # None is "unset" (a continuation's max_tokens when the first left it unset): the
     # server's default applies, as on the OpenAI routes.
@@ -322,7 +344,7 @@ class Span:
 
 @attrs.frozen(kw_only=True)
 class NativeReply:
-    """What a native reply says about its first choice."""
+    """What a native reply says about one of its choices."""
 
     request_id: str | None
     prompt_ids: list[int] | None
@@ -346,12 +368,12 @@ def _ids(value: object, path: str) -> list[int]:
     return list(value)
 
 
-def _logprobs(choice: dict[str, Any]) -> list[float] | None:
+def _logprobs(choice: dict[str, Any], where: str) -> list[float] | None:
     logprobs = choice.get("logprobs")
     if logprobs is None:
         return None
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    path = "$.choices[0].logprobs.content"
+    path = f"{where}.logprobs.content"
     if not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
         msg = f"{path} is not a list of objects"
         raise BadField(msg)
@@ -362,11 +384,11 @@ def _logprobs(choice: dict[str, Any]) -> list[float] | None:
     return [float(v) for v in values]
 
 
-def _spans(choice: dict[str, Any]) -> list[Span] | None:
+def _spans(choice: dict[str, Any], where: str) -> list[Span] | None:
     value = choice.get("weight_versions")
     if value is None:
         return None
-    path = "$.choices[0].weight_versions"
+    path = f"{where}.weight_versions"
     if not isinstance(value, list):
         msg = f"{path} is not a list of spans"
         raise BadField(msg)
@@ -385,12 +407,30 @@ def _spans(choice: dict[str, Any]) -> list[Span] | None:
 
 
 def read_reply(data: object) -> NativeReply:
-    """The :class:`NativeReply` of a native reply's JSON (``BadField`` if malformed)."""
+    """The :class:`NativeReply` of a native reply's first choice (``BadField`` if
+    malformed)."""
     data, choice = first_choice(data)
+    return _read_choice(data, choice, "$.choices[0]")
+
+
+def read_replies(data: object) -> list[NativeReply]:
+    """A :class:`NativeReply` per choice of a native reply (a request with
+    ``sampling_params.n``), in ``index`` order, each with its own usage
+    (:func:`~._parse.choice_usage`); ``BadField`` if malformed."""
+    data, choices = all_choices(data)
+    replies = []
+    for i, choice in enumerate(choices):
+        reply = _read_choice(data, choice, f"$.choices[{i}]")
+        usage = choice_usage(reply.usage, len(reply.token_ids))
+        replies.append(attrs.evolve(reply, usage=usage))
+    return replies
+
+
+def _read_choice(data: dict[str, Any], choice: dict[str, Any], where: str) -> NativeReply:
     prompt_ids = data.get("prompt_token_ids")
     text = choice.get("text")
     if text is not None and not isinstance(text, str):
-        msg = "$.choices[0].text is not a string"
+        msg = f"{where}.text is not a string"
         raise BadField(msg)
     finish = choice.get("finish_reason")
     usage = data.get("usage")
@@ -398,12 +438,12 @@ def read_reply(data: object) -> NativeReply:
     return NativeReply(
         request_id=request_id if isinstance(request_id, str) else None,
         prompt_ids=None if prompt_ids is None else _ids(prompt_ids, "$.prompt_token_ids"),
-        token_ids=_ids(choice.get("token_ids"), "$.choices[0].token_ids"),
+        token_ids=_ids(choice.get("token_ids"), f"{where}.token_ids"),
         text=text,
-        logprobs=_logprobs(choice),
+        logprobs=_logprobs(choice, where),
         finish_reason=finish if isinstance(finish, str) else None,
         usage=usage if isinstance(usage, dict) else None,
-        spans=_spans(choice),
+        spans=_spans(choice, where),
         sampling_mask=choice.get("sampling_mask"),
     )
 
@@ -477,15 +517,17 @@ class VLLMNative:
         request: InferenceRequest,
         body: dict[str, Any],
         call: NativeCall,
-    ) -> InferenceResponse | None:
+    ) -> list[InferenceResponse] | None:
         """One native request for ``body`` (an OpenAI body) to replica ``index``, after its
-        first contact (:meth:`first_contact`, a no-op once made); ``None`` when the replica
-        turns out not to serve the route (or ``/tokenize``, for a text prompt): the caller
-        sends ``body`` to the OpenAI route, and so do later calls. Raises
-        :class:`InferenceError` like the OpenAI routes.
+        first contact (:meth:`first_contact`, a no-op once made): a response per choice
+        (one, unless ``body`` asks ``n`` choices: then as many as the reply has, each with
+        its own usage). ``None`` when the replica turns out not to serve the route (or
+        ``/tokenize``, for a text prompt): the caller sends ``body`` to the OpenAI route,
+        and so do later calls. Raises :class:`InferenceError` like the OpenAI routes.
 
         Cancellation: cancellable; a request cancelled (or timed out) on the wire is
-        aborted on the server from a system task, without delaying the cancellation."""
+        aborted on the server from a system task, without delaying the cancellation (one
+        id for all the choices of a request: vLLM aborts them together)."""
         await self.first_contact(transport, run, index)
         prompt_ids = await self._prompt_ids(transport, index, body, call)
         if prompt_ids is None:
@@ -508,11 +550,15 @@ class VLLMNative:
             hint = f" (vLLM's native generate route, {SCALE_OUT_FLAG})"
             raise error_for_status(response, shown, self.api_key, hint)
         try:
-            reply = read_reply(read_json(response, shown, self.api_key))
+            data = read_json(response, shown, self.api_key)
+            replies = read_replies(data) if body.get("n", 1) > 1 else [read_reply(data)]
         except BadField as exc:
             msg = f"POST {shown} returned {response.status_code} but {exc}"
             raise MalformedResponseError(msg, url=shown, status=response.status_code) from None
-        return await self._response(transport, index, request, body, call, prompt_ids, reply)
+        return [
+            await self._response(transport, index, request, body, call, prompt_ids, reply)
+            for reply in replies
+        ]
 
     async def _response(
         self,
