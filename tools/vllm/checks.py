@@ -520,8 +520,8 @@ class CalculatorReplies(ToolReplies):
 
 
 class RecordingInference(tr.OpenAIInference):
-    """``OpenAIInference`` that notes each answered call: the prompt ids it sent and the
-    ids the server returned (prompt and sampled)."""
+    """``OpenAIInference`` that notes each answered call (each choice of a group call):
+    the prompt ids it sent and the ids the server returned (prompt and sampled)."""
 
     calls: ClassVar[list[tuple[tuple[int, ...], tuple[int, ...]]]] = []
 
@@ -530,6 +530,15 @@ class RecordingInference(tr.OpenAIInference):
         sent, got = tuple(request.prompt_ids or ()), tuple(response.token_ids or ())
         RecordingInference.calls.append((sent, got))
         return response
+
+    async def agenerate_group(
+        self, request: tr.InferenceRequest, n: int
+    ) -> list[tr.InferenceResponse]:
+        # The episodes' first turns come as one group call (n choices).
+        responses = await super().agenerate_group(request, n)
+        sent = tuple(request.prompt_ids or ())
+        RecordingInference.calls.extend((sent, tuple(r.token_ids or ())) for r in responses)
+        return responses
 
 
 def template_message(message: tr.ChatMessage) -> dict[str, Any]:

@@ -20,9 +20,13 @@
    mid-generation gives a boundary inside the generated ids with ``mixed == 0``, the
    fallback to ``/v1/completions`` works, biased combinations are flagged, seeds replay,
    and leaving a stream stops generation on the server;
-6. runs ``examples/vllm/grpo.py`` against the same server (GRPO that learns; skip it
+6. runs ``placement_checks.py`` on both servers as two replicas of one interface: each
+   ``routing`` on the same workload of groups with a shared prefix, read from the
+   servers' prefix-cache counters ("group" must compute the fewest prompt tokens), group
+   calls with ``n`` against separate calls (wall time), seeded choices, a cancelled group;
+7. runs ``examples/vllm/grpo.py`` against the same server (GRPO that learns; skip it
    with ``--no-grpo``) and checks that its reward rises;
-7. always stops the servers and its engine process (SIGTERM to its process group, then
+8. always stops the servers and its engine process (SIGTERM to its process group, then
    SIGKILL after ``STOP_TIMEOUT`` seconds).
 
     python tools/vllm/run.py [--keep DIR] [--no-grpo]
@@ -55,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "real_server"))
 from build_tiny_llama import build
 from checks import VLLM, run_library_checks
 from gateway_checks import check_gateway
+from placement_checks import run_placement_checks
 from run import (
     HOST,
     OFFLINE,
@@ -290,6 +295,11 @@ def main(work: Path, grpo: bool) -> None:
         mark = time.monotonic()
         trio.run(run_sampling_checks, servers["scale-out"], servers["processed"])
         timings["sampling"] = time.monotonic() - mark
+
+        step("placement on two replicas, and groups as one call (n)")
+        mark = time.monotonic()
+        trio.run(run_placement_checks, servers["scale-out"], servers["processed"])
+        timings["placement"] = time.monotonic() - mark
 
         if grpo:
             step("examples/vllm/grpo.py: GRPO on the running server")
