@@ -449,7 +449,8 @@ async def test_keep_stamps_the_token_where_the_new_epoch_began(
         assert interface.engine_statistics()[0].generation_tokens == paused_tokens
         await interface.resume(1)
     (response,) = result
-    # Tokens 0..3 were sampled by the end of the step in progress at the pause.
+    # Tokens 0..3 by 4.38; the pause (at 4.88) waits for the step in progress, which
+    # samples token 4 at 5.48.
     k = paused_tokens
     assert k == 5
     assert response.policy_epoch == [(0, 0), (k, 1)]

@@ -91,7 +91,7 @@ class TokenFidelityError(RuntimeError):
     message names the backend, what it lacked, and the fix. Not transient."""
 
 
-def _check_renderer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+def check_renderer(instance: object, attribute: attrs.Attribute[Any] | None, value: Any) -> None:
     if isinstance(value, type):
         msg = (
             f"renderer must be a Renderer instance, got the class {value.__name__}: "
@@ -115,13 +115,15 @@ def _check_environment(instance: object, attribute: attrs.Attribute[Any], value:
         raise TypeError(msg)
 
 
-def _check_on_break(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+def check_on_break(instance: object, attribute: attrs.Attribute[Any] | None, value: Any) -> None:
     if value not in ("split", "raise"):
         msg = f"on_break must be 'split' or 'raise', got {value!r:.40}"
         raise ValueError(msg)
 
 
-def _check_min_fidelity(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+def check_min_fidelity(
+    instance: object, attribute: attrs.Attribute[Any] | None, value: Any
+) -> None:
     if value not in FIDELITY_LEVELS:
         allowed = ", ".join(repr(level) for level in FIDELITY_LEVELS)
         msg = f"min_fidelity must be one of {allowed}, got {value!r:.40}"
@@ -347,7 +349,7 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     #: Makes one environment per episode: ``problem -> Environment`` (sync).
     environment: Callable[[Problem], Environment] = attrs.field(validator=_check_environment)
     #: The model family's chat template, in ids.
-    renderer: Renderer = attrs.field(validator=_check_renderer)
+    renderer: Renderer = attrs.field(validator=check_renderer)
     #: At most this many assistant turns per episode.
     max_turns: int = attrs.field(default=8, validator=_int_at_least(1))
     #: At most this many ids per trajectory element (``None``: no bound).
@@ -367,9 +369,9 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     live_environments: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     #: What a template break does: ``"split"`` (a new trajectory element from a full
     #: render) or ``"raise"`` (:class:`TemplateBreakError`).
-    on_break: Literal["split", "raise"] = attrs.field(default="split", validator=_check_on_break)
+    on_break: Literal["split", "raise"] = attrs.field(default="split", validator=check_on_break)
     #: The least faithful ids a turn may have (:class:`TokenFidelityError` below it).
-    min_fidelity: str = attrs.field(default="server_tokens", validator=_check_min_fidelity)
+    min_fidelity: str = attrs.field(default="server_tokens", validator=check_min_fidelity)
     #: The environment's name, stamped on every rollout (``env_id``).
     env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
     # Whether renderer.bridge takes the conversation at hand (messages=).

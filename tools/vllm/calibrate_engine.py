@@ -73,7 +73,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "real_server"))
 from build_tiny_llama import build  # noqa: E402
 from checks import VLLM  # noqa: E402
-from run import HOST, OFFLINE, CheckFailed, check, free_port, step, tail  # noqa: E402
+from run import CheckFailed, check, step, tail  # noqa: E402
 
 
 def _load_vllm_run() -> Any:
@@ -172,36 +172,9 @@ def launch(
 ) -> tuple[subprocess.Popen[bytes], str, list[str]]:
     """vLLM's OpenAI server as run.py starts it, but with the scheduler's CPU defaults
     (no ``--max-num-seqs``: B goes to 32) and ``--max-model-len 2048``."""
-    port = free_port()
-    flags = [
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-    ]
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        *flags,
-    ]
-    print("$", " ".join(command), flush=True)
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **OFFLINE, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": core},
-            start_new_session=True,  # its engine core is a child process: stop both
-        )
-    return server, f"http://{HOST}:{port}", flags
+    scheduler = ["--max-model-len", str(MAX_MODEL_LEN)]
+    server, root = vllm_run.launch(model_dir, log_path, [], core, scheduler)
+    return server, root, [*scheduler, "--enforce-eager", "--dtype", "float32"]
 
 
 @contextlib.contextmanager

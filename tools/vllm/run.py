@@ -46,8 +46,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Final
 
 import trio
 
@@ -99,10 +100,21 @@ SERVERS = {
 }
 
 
+#: The scheduler flags of the checks' servers: 1024 is the model's
+#: max_position_embeddings (Qwen2.5's system block with one tool is about 700 byte tokens:
+#: the episodes-qwen2.5 check).
+SCHEDULER_FLAGS: Final = ("--max-model-len", "1024", "--max-num-seqs", "16")
+
+
 def launch(
-    model_dir: Path, log_path: Path, flags: list[str], core: str
+    model_dir: Path,
+    log_path: Path,
+    flags: list[str],
+    core: str,
+    scheduler: Sequence[str] = SCHEDULER_FLAGS,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start vLLM's OpenAI server with ``flags``, bound to ``core``; its process and root."""
+    """Start vLLM's OpenAI server with ``scheduler`` and ``flags``, bound to ``core``; its
+    process and root."""
     port = free_port()
     command = [
         sys.executable,
@@ -114,12 +126,7 @@ def launch(
         HOST,
         "--port",
         str(port),
-        "--max-model-len",
-        # The model's max_position_embeddings: Qwen2.5's system block with one tool is
-        # about 700 byte tokens (the episodes-qwen2.5 check).
-        "1024",
-        "--max-num-seqs",
-        "16",
+        *scheduler,
         "--enforce-eager",
         # The weights as saved (float32): vLLM's default on the CPU, bfloat16, gave
         # logprobs up to 2e-3 off the re-score's after 440 decode steps on this machine.

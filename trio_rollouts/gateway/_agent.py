@@ -38,9 +38,10 @@ import trio
 from .._agents import GroupedRolloutGenerator
 from .._checks import seconds as _seconds
 from .._concurrency import flatten_exception_groups, gather
+from .._episodes import check_min_fidelity, check_on_break, check_renderer
 from .._failure import StepTimeoutError
 from .._messages import ChatMessage
-from .._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, TokenRollout
+from .._models import GroupedRolloutRequest, Problem, TokenRollout
 from .._sampling import request_seed
 from ..renderers import Renderer
 from ._gateway import Gateway, GatewaySession, serve
@@ -108,34 +109,6 @@ class CommandTimeoutError(StepTimeoutError):
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _check_renderer(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, type):
-        msg = (
-            f"renderer must be a Renderer instance, got the class {value.__name__}: "
-            f"call it ({value.__name__}(...))"
-        )
-        raise TypeError(msg)
-    if not isinstance(value, Renderer):
-        msg = (
-            "renderer must be a Renderer (PlainRenderer, HFRenderer or one of your own), "
-            f"got {type(value).__name__} {value!r:.60}"
-        )
-        raise TypeError(msg)
-
-
-def _check_on_break(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in ("split", "raise"):
-        msg = f"on_break must be 'split' or 'raise', got {value!r:.40}"
-        raise ValueError(msg)
-
-
-def _check_min_fidelity(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in FIDELITY_LEVELS:
-        allowed = ", ".join(repr(level) for level in FIDELITY_LEVELS)
-        msg = f"min_fidelity must be one of {allowed}, got {value!r:.40}"
-        raise ValueError(msg)
 
 
 def _check_function(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -268,7 +241,7 @@ class GatewayAgent(GroupedRolloutGenerator):
     """
 
     #: The model family's chat template, in ids.
-    renderer: Renderer = attrs.field(validator=_check_renderer)
+    renderer: Renderer = attrs.field(validator=check_renderer)
     #: The agent as an async function ``(base_url, problem) -> reward | None``.
     function: AgentFunction | None = attrs.field(default=None, validator=_check_function)
     #: The agent as a command: an argument list, or a str split with ``shlex.split``.
@@ -284,9 +257,9 @@ class GatewayAgent(GroupedRolloutGenerator):
     #: The model name the gateway lists at ``/models``.
     model: str = attrs.field(default="trio-rollouts", validator=attrs.validators.instance_of(str))
     #: The least faithful ids a turn may have (as :class:`~trio_rollouts.MultiTurnAgent`).
-    min_fidelity: str = attrs.field(default="server_tokens", validator=_check_min_fidelity)
+    min_fidelity: str = attrs.field(default="server_tokens", validator=check_min_fidelity)
     #: What a template break does: ``"split"`` (a new element) or ``"raise"``.
-    on_break: Literal["split", "raise"] = attrs.field(default="split", validator=_check_on_break)
+    on_break: Literal["split", "raise"] = attrs.field(default="split", validator=check_on_break)
     #: Seconds one member's command may run (``None``: no bound); past it the command is
     #: killed and the member fails with :class:`CommandTimeoutError`. Commands only.
     command_timeout: float | None = attrs.field(default=None, validator=_seconds(positive=True))

@@ -23,9 +23,9 @@ import attrs
 import trio
 
 from .._concurrency import flatten_exception_groups
-from .._episodes import TemplateBreakError, takes_messages
+from .._episodes import TemplateBreakError, check_min_fidelity, check_renderer, takes_messages
 from .._messages import ChatMessage, GenerationArgs
-from .._models import FIDELITY_LEVELS, Problem, TokenRollout
+from .._models import Problem, TokenRollout
 from ..inference import InferenceError, InferenceInterface
 from ..renderers import Renderer
 from ._http import HTTPRequest, HTTPResponse, StreamingResponse, serve_http
@@ -365,15 +365,11 @@ async def serve(
     Cancellation: leaving the block (or cancelling it) stops the server and every call
     in flight; sessions still open are left first.
     """
-    if min_fidelity not in FIDELITY_LEVELS:
-        msg = f"min_fidelity must be one of {FIDELITY_LEVELS}, got {min_fidelity!r:.40}"
-        raise ValueError(msg)
+    check_min_fidelity(None, None, min_fidelity)
     if on_break not in _ON_BREAK:
         msg = f"on_break must be one of {_ON_BREAK}, got {on_break!r:.40}"
         raise ValueError(msg)
-    if not isinstance(renderer, Renderer):
-        msg = f"renderer must be a Renderer (HFRenderer, say), got {type(renderer).__name__}"
-        raise TypeError(msg)
+    check_renderer(None, None, renderer)
     if not isinstance(inference, InferenceInterface):
         msg = f"inference must be an InferenceInterface, got {type(inference).__name__}"
         raise TypeError(msg)

@@ -36,9 +36,7 @@ from ._engine import (
     EngineStatistics,
     Replica,
     admission_order,
-    next_step_end,
     settle,
-    steps_in_progress,
 )
 from ._interface import (
     AcceptsTokens,
@@ -642,13 +640,13 @@ class EmbeddedInference(
         replicas = cluster.replicas
         while True:
             holding = state.holds_in_flight()
-            if holding and steps_in_progress(cluster) == 0:
+            if holding and cluster.steps_in_progress() == 0:
                 # A keep or abort pause, and no step left: hold until resume().
                 if await state.hold(admission=False):
                     for replica in replicas:
                         replica.preempt_all()
             elif holding or not cluster.arrivals:
-                with trio.move_on_at(next_step_end(cluster)):
+                with trio.move_on_at(cluster.next_step_end()):
                     await cluster.wake.park()
             now = trio.current_time()
             epoch = self._generation_epoch

@@ -520,6 +520,15 @@ class Cluster:
                 seq.replica = index
                 replica.waiting.append(seq)
 
+    def steps_in_progress(self) -> int:
+        return sum(1 for replica in self.replicas if replica.step_end is not None)
+
+    def next_step_end(self) -> float:
+        return min(
+            (replica.step_end for replica in self.replicas if replica.step_end is not None),
+            default=math.inf,
+        )
+
     def fail(self, error: BaseException) -> None:
         self.failure = error
         for call in self.arrivals:
@@ -529,17 +538,6 @@ class Cluster:
         for seq in self.sequences():
             seq.error = error
             seq.done.set()
-
-
-def steps_in_progress(cluster: Cluster) -> int:
-    return sum(1 for replica in cluster.replicas if replica.step_end is not None)
-
-
-def next_step_end(cluster: Cluster) -> float:
-    return min(
-        (replica.step_end for replica in cluster.replicas if replica.step_end is not None),
-        default=math.inf,
-    )
 
 
 async def settle() -> None:
