@@ -636,6 +636,7 @@ def test_a_kept_group_still_fresh_is_handed_out_as_it_is() -> None:
         assert (stats.stale, stats.restarted) == (0, 1)
 
 
+@pytest.mark.usefixtures("run_ahead")
 @pytest.mark.parametrize("enforce_order", [False, True])
 def test_stale_kept_groups_of_completed_batches_keep_the_stream_gap_free(
     enforce_order: bool,
@@ -666,6 +667,7 @@ def test_stale_kept_groups_of_completed_batches_keep_the_stream_gap_free(
         assert min(g.batch_id for g in stream.take(4, timeout=WAIT)) == 4
 
 
+@pytest.mark.usefixtures("run_ahead")
 def test_stale_kept_groups_after_a_returned_group_of_their_batch_stay_in_order() -> None:
     # The caller has group (0, 0); a take then keeps (0, 1), (1, 0), (1, 1). Regenerated,
     # they come back in order after it, with no batch lost or added.
@@ -689,6 +691,7 @@ def test_stale_kept_groups_after_a_returned_group_of_their_batch_stay_in_order()
         assert slots(stream.take(2, timeout=WAIT)) == [(4, 0), (4, 1)]
 
 
+@pytest.mark.usefixtures("run_ahead")
 def test_stale_kept_groups_of_one_group_batches() -> None:
     gate = Gate(instant=2)
     req = request(RawInterface(), num_groups=1, max_staleness=0)

@@ -270,6 +270,7 @@ def test_unknown_keys_of_nested_records_survive_a_round_trip() -> None:
         "batch_id": 3,
         "index_in_batch": 1,
         "start_epoch": 2,
+        "cuts": [[7, 0.5, 1]],
         "c": None,
     }
     assert unstructure(structure(data, RolloutGroup)) == data

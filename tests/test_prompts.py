@@ -227,6 +227,7 @@ async def test_rollouts_about_another_problem_are_an_error(
             await stream.receive()
 
 
+@pytest.mark.usefixtures("run_ahead")
 async def test_restarted_and_stale_calls_give_their_problems_back(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

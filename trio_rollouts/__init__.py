@@ -35,6 +35,7 @@ from ._ledger import EnvironmentStatistics as EnvironmentStatistics
 from ._ledger import RolloutStreamStatistics as RolloutStreamStatistics
 from ._models import ChatMessage as ChatMessage
 from ._models import ContrastiveRollout as ContrastiveRollout
+from ._models import Cut as Cut
 from ._models import EvaluationRequest as EvaluationRequest
 from ._models import EvaluationResponse as EvaluationResponse
 from ._models import EvaluationResult as EvaluationResult

@@ -40,6 +40,7 @@ from ._checks import int_at_least as _int_at_least
 from ._checks import optional_int_at_least as _optional_int_at_least
 from ._checks import seconds as _seconds
 from ._concurrency import gather, real_leaves
+from ._cuts import cuts_possible, run_members
 from ._environment import (
     BaseEnvironment,
     Environment,
@@ -437,16 +438,22 @@ class MultiTurnAgent(GroupedRolloutGenerator):
                 start_epoch = 0
         episode = _Episode(self, problem, request, start_epoch, fidelity)
         size = request.rollouts_per_group
+        extra = request.extra_rollouts
+        cuttable = not request.group_calls and cuts_possible(request.max_staleness, interface)
         if (
             request.group_calls
-            and size > 1
+            and size + extra > 1
             and isinstance(interface, GeneratesGroups)
             # live_environments is shared by every group: siblings waiting for each
             # other while holding slots could wait forever.
             and self.live_environments is None
         ):
-            episode.first_turns = FirstTurns(interface, size)
+            episode.first_turns = FirstTurns(interface, size + extra)
         try:
+            if extra or cuttable:
+                # Episodes that may be cut (see _cuts.py): the first to finish are kept.
+                kept = await run_members(size, extra, episode.run)
+                return [rollout for _, rollout in kept]
             return await gather(
                 [
                     functools.partial(episode.run, member)
@@ -626,7 +633,16 @@ class FirstTurns:
         self.requests[member] = request
         if len(self.requests) >= self.expected:
             self.ready.set()
-        await self.ready.wait()
+        try:
+            await self.ready.wait()
+        except BaseException:
+            # Cut (or cancelled) before the call was made: it hands in nothing.
+            del self.requests[member]
+            self.withdrawn.add(member)
+            self.expected -= 1
+            if self.requests and len(self.requests) >= self.expected:
+                self.ready.set()
+            raise
         if member == min(self.requests) and not self.done.is_set():
             try:
                 await self._call()
@@ -687,6 +703,12 @@ class _Run:
     where: str = "in reset()"
     #: One record per assistant turn (``extra["episode"]["per_turn"]``).
     per_turn: list[dict[str, Any]] = attrs.field(factory=list)
+    #: The epoch the episode started under: its group's, or a later one for an episode
+    #: generated again after a cut (``_cuts.py``).
+    start_epoch: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.start_epoch = call_start_epoch.get(self.shared.start_epoch)
 
     async def episode(self) -> TokenRollout:
         agent = self.shared.agent
@@ -799,7 +821,7 @@ class _Run:
             element = self.server_break(server_prompt)
         if kind != "exact":
             self.fidelity = min(self.fidelity, kind, key=RANK.__getitem__)
-        element.take(sampled, logprobs, response, args, self.shared.start_epoch)
+        element.take(sampled, logprobs, response, args, self.start_epoch)
         return response, sampled, kind
 
     def server_break(self, server_prompt: list[int]) -> Element:
@@ -919,7 +941,7 @@ class _Run:
         elements = self.elements
         for element in elements:
             if not element.policy_epoch:
-                element.unstamped(self.shared.start_epoch, 0)
+                element.unstamped(self.start_epoch, 0)
         has_logprobs = all(element.logprobs is not None for element in elements)
         return TokenRollout(
             trajectory=[element.ids for element in elements],

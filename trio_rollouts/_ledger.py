@@ -81,6 +81,13 @@ class RolloutStreamStatistics:
       slots are generated again.
     - ``mixed``: groups whose generation spanned a keep/abort update on a backend that
       does not stamp where the epoch changed (not a ledger term).
+    - ``cut``: members of groups cancelled by the library's agents and not kept: beyond
+      ``rollouts_per_group`` with ``extra_rollouts``, or still running when their group
+      reached the staleness bound (see ``RolloutGroup.cuts``; members, not calls, so
+      not a ledger term).
+    - ``wasted_tokens``: the tokens those cut members had generated, as far as their
+      backends reported them (the embedded backend does; an HTTP server's cancelled
+      request does not, and adds nothing).
     """
 
     started: int
@@ -106,6 +113,8 @@ class RolloutStreamStatistics:
     restarted: int = 0
     stale: int = 0
     mixed: int = 0
+    cut: int = 0
+    wasted_tokens: int = 0
 
     @property
     def attempts(self) -> int:
@@ -160,6 +169,7 @@ class Ledger:
     __slots__ = (
         "cancelled",
         "completed",
+        "cut",
         "delivered",
         "env_counters",
         "env_of_slot",
@@ -177,6 +187,7 @@ class Ledger:
         "started",
         "timeouts",
         "waiting_to_retry",
+        "wasted_tokens",
         "weight_updates",
     )
 
@@ -196,6 +207,8 @@ class Ledger:
         self.restarted = 0
         self.stale = 0
         self.mixed = 0
+        self.cut = 0
+        self.wasted_tokens = 0
         self.weight_updates = 0
         self.pending = 0
         self.last_errors: collections.deque[str] = collections.deque(maxlen=LAST_ERRORS_KEPT)
@@ -275,4 +288,6 @@ class Ledger:
             restarted=self.restarted,
             stale=self.stale,
             mixed=self.mixed,
+            cut=self.cut,
+            wasted_tokens=self.wasted_tokens,
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, overload
+from typing import Any, ClassVar, Generic, NamedTuple, TypeAlias, TypeVar, overload
 
 import attrs
 import numpy as np
@@ -156,7 +156,16 @@ class GroupedRolloutRequest(Request):
     :class:`~trio_rollouts.inference.GeneratesGroups`, :class:`~trio_rollouts.RewardOnlyAgent`
     asks for a group's completions in one call (vLLM's ``n``: the prompt is prefilled
     once), and :class:`~trio_rollouts.MultiTurnAgent` its episodes' first turns when they
-    are the same request; ``False`` sends one call per member."""
+    are the same request; ``False`` sends one call per member.
+
+    The long tail (``docs/weight-updates.md``, "The long tail"), in the library's agents:
+    ``extra_rollouts`` (default 0) starts ``rollouts_per_group + extra_rollouts`` members,
+    one call each, and keeps the first ``rollouts_per_group`` to finish (the others are
+    cut: it favours fast, often short, answers); with ``max_staleness`` and one call per
+    member (``group_calls=False``, or extras), members still running when their group
+    reaches the bound at a ``keep``/``abort`` update are cut and sampled again under the
+    new epoch. Every cut is in ``RolloutGroup.cuts`` and ``statistics().cut``. Custom
+    agents see ``extra_rollouts`` as a field only."""
 
     num_groups: int = attrs.field(validator=_int_at_least(1))
     rollouts_per_group: int = attrs.field(validator=_int_at_least(1))
@@ -170,6 +179,7 @@ class GroupedRolloutRequest(Request):
     sampling_check: str = attrs.field(default="warn", validator=_check_sampling_check)
     seed: int | None = attrs.field(default=None, validator=_check_run_seed)
     group_calls: bool = attrs.field(default=True, validator=_check_bool)
+    extra_rollouts: int = attrs.field(default=0, validator=_int_at_least(0))
 
 
 def _check_interface_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -452,6 +462,51 @@ def _check_rollouts(instance: object, attribute: attrs.Attribute[Any], value: ob
             raise TypeError(msg)
 
 
+class Cut(NamedTuple):
+    """A member of a group that the library's agents cancelled and did not keep (see
+    :attr:`RolloutGroup.cuts`)."""
+
+    #: Tokens it had generated when it was cancelled, as its backend reported them
+    #: (``None``: the backend cannot tell, as for an HTTP server's cancelled request).
+    generated_tokens: int | None
+    #: How long it had run, in seconds of Trio's clock.
+    elapsed_seconds: float
+    #: The policy epoch it started under.
+    epoch: int
+
+
+def _cuts(value: object) -> object:
+    # JSON gives lists; a list of cuts is kept as a tuple of Cut.
+    if isinstance(value, list | tuple) and not isinstance(value, Cut):
+        return tuple(
+            Cut(*item) if isinstance(item, list | tuple) and not isinstance(item, Cut) else item
+            for item in value
+        )
+    return value
+
+
+def _is_cut(cut: object) -> bool:
+    if not isinstance(cut, Cut):
+        return False
+    tokens, elapsed, epoch = cut
+    return (
+        (tokens is None or (_is_int(tokens) and tokens >= 0))
+        and _is_real(elapsed)
+        and elapsed >= 0
+        and _is_int(epoch)
+        and epoch >= 0
+    )
+
+
+def _check_cuts(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, tuple) or not all(_is_cut(cut) for cut in value):
+        msg = (
+            "cuts must be a list of (generated_tokens: int >= 0 or None, "
+            f"elapsed_seconds: number >= 0, epoch: int >= 0), got {value!r:.120}"
+        )
+        raise TypeError(msg)
+
+
 @attrs.define(kw_only=True)
 class RolloutGroup(Record):
     """A group of rollouts for one prompt (GRPO's unit), with its place in the batch.
@@ -467,6 +522,11 @@ class RolloutGroup(Record):
     #: The stream's policy epoch when the ``group_rollout`` call that made the group
     #: started (see ``GroupedRolloutRequest.max_staleness``).
     start_epoch: int = attrs.field(default=0, validator=_int_at_least(0))
+    #: The members the library's agents started for this group and did not keep, one
+    #: :class:`Cut` ``(generated_tokens, elapsed_seconds, epoch)`` each: beyond
+    #: ``rollouts_per_group`` with ``extra_rollouts``, or still running when the group
+    #: reached the staleness bound (``docs/weight-updates.md``, "The long tail").
+    cuts: tuple[Cut, ...] = attrs.field(default=(), converter=_cuts, validator=_check_cuts)
 
     def __iter__(self) -> Iterator[Rollout | TokenRollout]:
         return iter(self.rollouts)
@@ -636,6 +696,7 @@ def checked_group(
     batch_id: int,
     index_in_batch: int,
     start_epoch: int = 0,
+    cuts: tuple[Cut, ...] = (),
 ) -> RolloutGroup:
     """A :class:`RolloutGroup` built without running its validators: for the pipeline's
     hot path, which has checked the rollouts and makes the slot numbers itself."""
@@ -646,4 +707,5 @@ def checked_group(
     set_slot(group, "batch_id", batch_id)
     set_slot(group, "index_in_batch", index_in_batch)
     set_slot(group, "start_epoch", start_epoch)
+    set_slot(group, "cuts", cuts)
     return group

@@ -144,12 +144,14 @@ import attrs
 import stamina
 import trio
 
+from ._admission import Admission
 from ._concurrency import describe_error, flatten_exception_groups, real_leaves
+from ._cuts import GroupCall, current_group_call
 from ._draws import Draw, DrawBook, current_draws, finish, give_back
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._gate import DropReason, UpdateGate, call_start_epoch
 from ._ledger import EnvironmentCounters, Ledger
-from ._models import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from ._models import Cut, GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._models import checked_group as prechecked_group
 from ._order import BatchOrder
 from ._sampling import call_attempt, call_slot, check_sampling
@@ -261,6 +263,7 @@ class Pipeline:
 
     # Slots: attribute reads on the hot path are measurably faster than through a dict.
     __slots__ = (
+        "admission",
         "agent",
         "call_draws",
         "call_epoch",
@@ -272,6 +275,7 @@ class Pipeline:
         "filtering",
         "gate",
         "generate",
+        "group_calls",
         "group_timeout",
         "groups_left_to_send",
         "ledger",
@@ -353,9 +357,22 @@ class Pipeline:
         self.call_epoch: list[int | None] = [None] * workers
         self.result_epoch: list[int] = [0] * workers
         self.call_draws: list[list[Draw]] = [[] for _ in range(workers)]
+        # Per worker: its call as the library's agents see it (members cut, see _cuts.py).
+        self.group_calls = [GroupCall(n, self.call_epoch, self.ledger) for n in range(workers)]
         # With a staleness bound, a group found too old when it is taken is generated
         # again in its slot: workers must outlive a non-streaming batch's last send.
         self.park_when_idle = self.streaming or request.max_staleness is not None
+        # Admission inside the staleness bound (streaming: a batch at a time otherwise).
+        self.admission = (
+            Admission(
+                self.ledger,
+                request.max_staleness,
+                self.num_groups,
+                self.oldest_batch if request.enforce_order else None,
+            )
+            if self.streaming and request.max_staleness is not None
+            else None
+        )
 
     def worker_count(self) -> int:
         return self.max_outstanding * self.num_groups if self.streaming else self.num_groups
@@ -378,6 +395,8 @@ class Pipeline:
         if self.draws.tracking:
             self.draws.taken((batch_id, group.index_in_batch))
         self.slots.taken(batch_id)
+        if self.admission is not None:
+            self.admission.wake()
         if self.same_reward_groups >= 0:
             self.watch_rewards(group)
 
@@ -424,6 +443,9 @@ class Pipeline:
         slot = (group.batch_id, group.index_in_batch)
         self.draws.give_back(slot)
         self.slots.put_first(*slot)
+        if self.admission is not None:
+            self.admission.again.add(slot)
+            self.admission.wake()
 
     def drop_calls(self, reason: DropReason, older_than: int | None) -> int:
         """A weight update drops the calls in flight that started before epoch
@@ -442,7 +464,17 @@ class Pipeline:
         gate = self.gate
         gate.advance(epoch, stamped)
         self.ledger.weight_updates += 1
-        if self.order is not None and gate.max_staleness is not None:
+        if self.admission is not None:
+            self.admission.updated()
+        bound = gate.max_staleness
+        if bound is not None:
+            # Calls now as old as the bound allows: their agents cut the members still
+            # running (the library's agents; see _cuts.py).
+            call_epoch = self.call_epoch
+            for group_call in self.group_calls:
+                if group_call.watchers and call_epoch[group_call.number] == epoch - bound:
+                    group_call.cut_at(epoch)
+        if self.order is not None and bound is not None:
             self.order.evict(gate.too_old, self.regenerate_stale)
 
     # ---------------------------------------------------------------- workers
@@ -452,6 +484,7 @@ class Pipeline:
         ``UpdateGate.watchdog``), and starts again in a new timer each time the watchdog,
         or a weight update, has cancelled one."""
         resume: _Resume | None = None
+        current_group_call.set(self.group_calls[number])
         while True:
             timer = self.gate.new_timer(number)
             try:
@@ -480,6 +513,8 @@ class Pipeline:
         seeded = self.seeded
         run_seed = self.run_seed
         set_group = call_group.set
+        admission = self.admission
+        group_call = self.group_calls[number]
         # How this worker last stopped waiting, for Slots.claim's books: PARKED or SENT
         # (unparked, or woken from a full channel's send, to claim next), or 0.
         woken = 0
@@ -516,6 +551,8 @@ class Pipeline:
                     woken = PARKED
                     continue
                 batch_id, index = slot
+                if admission is not None and not admission.may_start(slot):
+                    await self.admit(slot)
                 if not self.fast:
                     group = await self.accepted_group(batch_id, index, number)
                 else:
@@ -525,12 +562,18 @@ class Pipeline:
                     # watchdog rather than by a cancel scope of its own, which costs
                     # more than the rest of a group's trip through the pipeline.
                     if gate.updating:
+                        # Admitted already (the slot counts itself among those ahead
+                        # now): it starts under the new epoch, with as much room.
                         await gate.wait(slot)
                     ledger.started += 1
                     ledger.in_flight += 1
+                    if admission is not None:
+                        admission.wake()  # the next waiting slot, if there is room
                     epoch = call_epoch[number] = gate.epoch
                     set_start_epoch(epoch)
                     set_group((run_seed, batch_id, index))
+                    if group_call.cuts:
+                        group_call.cuts.clear()  # booked; a call that failed kept them
                     if seeded:
                         call_slot.set(slot)
                     if timed:
@@ -560,6 +603,9 @@ class Pipeline:
                         failure = exc
                     else:
                         ledger.in_flight -= 1
+                        # The epoch it counts as started under (an agent that cut every
+                        # member moved it on: see _cuts.py).
+                        epoch = call_epoch[number]  # type: ignore[assignment]
                         call_epoch[number] = None
                         if gate.watching and (reason := gate.ended(number)) is not None:
                             # Returned after the update cancelled it: dropped all the
@@ -580,7 +626,14 @@ class Pipeline:
                             if epoch != gate.epoch and gate.spans_unstamped(epoch):
                                 ledger.mixed += 1
                     if failure is None:
-                        group = self.checked_group(result, batch_id, index, None, epoch)
+                        group = self.checked_group(
+                            result,
+                            batch_id,
+                            index,
+                            None,
+                            epoch,
+                            cuts=group_call.taken() if group_call.cuts else (),
+                        )
                     else:
                         # Outside the except block, so that a later failure is not
                         # chained to this one.
@@ -614,6 +667,26 @@ class Pipeline:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
                     self.send_channel.close()
+
+    def oldest_batch(self) -> int:
+        """With ``enforce_order`` (batches are taken whole, in order): the oldest batch
+        not wholly taken."""
+        slots = self.slots
+        return slots.next_batch_id - slots.outstanding
+
+    async def admit(self, slot: tuple[int, int]) -> None:
+        """Wait until ``slot``'s first call may start inside the staleness bound
+        (:class:`~._admission.Admission`), and no weight update holds calls."""
+        admission = self.admission
+        gate = self.gate
+        if admission is None:  # pragma: no cover - callers check
+            return
+        while True:
+            if gate.updating:
+                await gate.wait(slot)
+            if admission.may_start(slot):
+                return
+            await admission.wait(slot)
 
     def book_dropped(self, reason: DropReason) -> None:
         """Book a call that a weight update dropped (its slot is generated again)."""
@@ -672,8 +745,15 @@ class Pipeline:
                 await trio.lowlevel.checkpoint()
                 continue
             draws = self.call_draws[number] if self.draws.tracking else None
+            call = self.group_calls[number]
             group = self.checked_group(
-                result, batch_id, index, env, self.result_epoch[number], draws
+                result,
+                batch_id,
+                index,
+                env,
+                self.result_epoch[number],
+                draws,
+                cuts=call.taken() if call.cuts else (),
             )
             if not self.filtering or group.reward_std() > FILTER_STD_THRESHOLD:
                 self.consecutive_filtered = 0
@@ -685,6 +765,8 @@ class Pipeline:
             if self.same_reward_groups >= 0:
                 self.watch_rewards(group)
             ledger.filtered += 1
+            if self.admission is not None:
+                self.admission.wake()  # a call that leaves nothing to take
             if env is not None:
                 env.filtered += 1
             self.consecutive_filtered += 1
@@ -738,9 +820,15 @@ class Pipeline:
             await gate.wait((batch_id, index))
         ledger.started += 1
         ledger.in_flight += 1
+        admission = self.admission
+        if admission is not None:
+            admission.wake()
         epoch = self.call_epoch[number] = gate.epoch
         call_start_epoch.set(epoch)
         call_group.set((self.run_seed, batch_id, index))
+        group_call = self.group_calls[number]
+        if group_call.cuts:
+            group_call.cuts.clear()  # booked; a call that failed kept them
         if self.seeded:
             call_slot.set((batch_id, index))
         if env is not None:
@@ -769,6 +857,9 @@ class Pipeline:
                 ledger.raised += 1
             raise
         ledger.in_flight -= 1
+        # The epoch it counts as started under (an agent that cut every member moved it
+        # on: see _cuts.py).
+        epoch = self.call_epoch[number]  # type: ignore[assignment]
         self.call_epoch[number] = None
         if gate.watching and (reason := gate.ended(number)) is not None:
             self.book_dropped(reason)
@@ -858,6 +949,8 @@ class Pipeline:
 
     def call_raised(self, exc: BaseException, env: EnvironmentCounters | None) -> bool:
         """Book a call that raised: cancelled at shutdown, or failed (returns True)."""
+        if self.admission is not None:
+            self.admission.wake()  # a call that leaves nothing to take (for now)
         if _is_cancellation(exc):
             self.ledger.cancelled += 1
             return False
@@ -872,11 +965,12 @@ class Pipeline:
         env: EnvironmentCounters | None,
         start_epoch: int,
         draws: list[Draw] | None = None,
+        cuts: tuple[Cut, ...] = (),
     ) -> RolloutGroup:
         """make_group (and check the call's prompt draws), booking a broken contract as
         a failed call."""
         try:
-            group = self.make_group(result, batch_id, index, start_epoch)
+            group = self.make_group(result, batch_id, index, start_epoch, cuts)
             if draws is not None:
                 self.check_draws(group, draws, batch_id, index)
             return group
@@ -952,7 +1046,12 @@ class Pipeline:
         raise error from cause
 
     def make_group(
-        self, result: object, batch_id: int, index: int, start_epoch: int
+        self,
+        result: object,
+        batch_id: int,
+        index: int,
+        start_epoch: int,
+        cuts: tuple[Cut, ...] = (),
     ) -> RolloutGroup:
         """Check what ``group_rollout`` returned and wrap it in its slot's RolloutGroup."""
         rollouts = result.rollouts if isinstance(result, RolloutGroup) else result
@@ -967,7 +1066,7 @@ class Pipeline:
             msg = f"{where} returned an empty group; a group needs at least one rollout"
             raise ValueError(msg)
         if not self.filtering and set(map(type, rollouts)) <= _ROLLOUT_TYPES:
-            return prechecked_group(rollouts, batch_id, index, start_epoch)
+            return prechecked_group(rollouts, batch_id, index, start_epoch, cuts)
         for i, rollout in enumerate(rollouts):
             if not isinstance(rollout, (Rollout, TokenRollout)):
                 msg = (
@@ -984,7 +1083,7 @@ class Pipeline:
                         "filtering groups by reward needs finite float rewards"
                     )
                     raise ValueError(msg)
-        return prechecked_group(rollouts, batch_id, index, start_epoch)
+        return prechecked_group(rollouts, batch_id, index, start_epoch, cuts)
 
     def where(self, batch_id: int, index: int) -> str:
         return f"{type(self.agent).__name__}.group_rollout (batch_id={batch_id}, index={index})"

@@ -24,6 +24,7 @@ import numpy as np
 
 from ._agents import GroupedRolloutGenerator
 from ._concurrency import gather_bounded
+from ._cuts import cuts_possible, run_members
 from ._messages import GenerationArgs
 from ._models import GroupedRolloutRequest, Problem, Rollout, TokenRollout
 from ._sampling import request_seed, sampling_span, seeded
@@ -321,7 +322,12 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         :meth:`~trio_rollouts.inference.GeneratesGroups.agenerate_group` call (with a run
         seed, the call is sent member 0's seed ``s`` and member ``i``'s sampling record
         shows ``s + i``, the seed vLLM samples choice ``i`` of an ``n`` request with); the
-        rewards are computed concurrently as the choices come back together. The first failure
+        rewards are computed concurrently as the choices come back together. With
+        ``request.extra_rollouts``, or with ``max_staleness`` and ``group_calls=False`` on
+        a backend that can hold calls through an update, each member is a call of its
+        own, and members may be cut (the first to finish are kept; members still running
+        when the group reaches the bound are sampled again: see
+        ``GroupedRolloutRequest``). The first failure
         (inference or reward) cancels the other calls and propagates as itself; a reward
         that is not a finite number is a ``ValueError`` naming the problem and
         environment.
@@ -332,6 +338,11 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         interface = request.inference_interface
         require_raw(interface, type(self).__name__)
         inference_request = interface.prepare_request(problem.prompt, request.generation_args)
+        if request.extra_rollouts or (
+            not request.group_calls and cuts_possible(request.max_staleness, interface)
+        ):
+            # Members that may be cut: one call each (see _cuts.py).
+            return await self._members(problem, request, interface, inference_request)
         size = request.rollouts_per_group
         if request.seed is None:
             requests = [inference_request] * size
@@ -391,6 +402,31 @@ class RewardOnlyAgent(GroupedRolloutGenerator):
         calls = [one(sent) for sent in requests]
         scored = await gather_bounded(calls, size)
         return self._built(interface, problem, scored, requests)
+
+    async def _members(
+        self,
+        problem: Problem,
+        request: GroupedRolloutRequest,
+        interface: InferenceInterface,
+        inference_request: InferenceRequest,
+    ) -> list[Rollout] | list[TokenRollout]:
+        """One call per member, ``rollouts_per_group + extra_rollouts`` of them, the
+        first ``rollouts_per_group`` to finish (and be scored) kept; members still
+        running when the group reaches the staleness bound are cut and sampled again
+        (see ``_cuts.py``)."""
+
+        async def member(draw: int) -> tuple[InferenceResponse, float, InferenceRequest]:
+            sent = inference_request
+            if request.seed is not None:
+                seed = request_seed(request, interface, problem.problem_id, draw)
+                sent = attrs.evolve(sent, generation_args=seeded(request.generation_args, seed))
+            response = await interface.agenerate(sent)
+            reward = _check_reward(await self.get_reward(problem, response), problem, self.env_id)
+            return response, reward, sent
+
+        kept = await run_members(request.rollouts_per_group, request.extra_rollouts, member)
+        scored = [(response, reward) for _, (response, reward, _) in kept]
+        return self._built(interface, problem, scored, [sent for _, (_, _, sent) in kept])
 
     def _built(
         self,

@@ -8,7 +8,16 @@ from typing import Any, TypeVar, overload
 import attrs
 import cattrs
 
-from ._errors import DATA_ERRORS, ValidationError, format_path, problems_of, type_name
+from .._models import Cut
+from ._errors import (
+    DATA_ERRORS,
+    Invalid,
+    ValidationError,
+    describe,
+    format_path,
+    problems_of,
+    type_name,
+)
 from ._hooks import PRIMITIVE_HOOKS, make_list_hook, make_tuple_hook, make_union_hook
 from ._records import is_response, make_record_hook, make_record_unstructure, make_response_hook
 from ._types import is_list, is_tuple, is_union
@@ -29,7 +38,20 @@ def _build_converter() -> cattrs.Converter:
     converter.register_structure_hook_factory(is_list, make_list_hook)
     converter.register_structure_hook_factory(is_response, make_response_hook)
     converter.register_unstructure_hook_factory(attrs.has, make_record_unstructure)
+    converter.register_structure_hook(Cut, _structure_cut)
+    converter.register_unstructure_hook(Cut, list)
     return converter
+
+
+def _structure_cut(value: object, _: object) -> Cut:
+    """``[generated_tokens, elapsed_seconds, epoch]`` (``RolloutGroup.cuts``); the
+    group's validator checks the values."""
+    if not isinstance(value, list | tuple) or len(value) != 3:
+        message = (
+            f"expected [generated_tokens, elapsed_seconds, epoch] (3 items), got {describe(value)}"
+        )
+        raise Invalid.at(message)
+    return Cut(*value)
 
 
 _converter = _build_converter()

@@ -18,7 +18,7 @@ import hashlib
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import Final, Literal, TypeAlias
+from typing import ClassVar, Final, Literal, TypeAlias
 
 import attrs
 import numpy as np
@@ -26,6 +26,7 @@ import numpy.typing as npt
 import trio
 
 from .._checks import check_natural, int_at_least, non_negative
+from .._gate import call_start_epoch
 from .._messages import ChatMessage, GenerationArgs
 from ._engine import (
     Call,
@@ -53,6 +54,7 @@ from ._placement import (
     DEFAULT_ROUTING_MARGIN,
     Placement,
     Routing,
+    call_progress,
     check_routing,
     current_call,
 )
@@ -179,6 +181,9 @@ class EmbeddedInference(
     exactly (:meth:`pause`, :meth:`resume`); ``policy_epoch`` is
     :attr:`generation_epoch`.
     """
+
+    #: A cancelled call adds the tokens it had generated to its member's progress.
+    reports_cancelled_progress: ClassVar[bool] = True
 
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     policy: Policy = attrs.field(
@@ -509,12 +514,12 @@ class EmbeddedInference(
         per_token = self.latency.per_token * speed
 
         state.admitted += 1
+        k = 0
         try:
             policy_epoch = [(0, self._generation_epoch)]
             kv_cache_epoch = list(policy_epoch)
             await state.prefill(first_token)
             recomputed = False
-            k = 0
             while k < len(generated):
                 if state.holds_in_flight():
                     if await state.hold(admission=False):
@@ -537,6 +542,11 @@ class EmbeddedInference(
                     state.decoding -= 1
                     state.wake_pause()
                 k += 1
+        except BaseException:
+            progress = call_progress.get()
+            if progress is not None:
+                progress.generated_tokens += k  # a cut member's work
+            raise
         finally:
             state.admitted -= 1
             state.wake_pause()
@@ -575,12 +585,14 @@ class EmbeddedInference(
         group, episode = current_call()
         cluster.arrived += 1
         order = admission_order(group, episode, cluster.arrived)
+        priority = call_start_epoch.get(self._generation_epoch)
         sequences = [
             EngineRequest(
                 tokens=prompt_ids + [ord(character) for character in generated],
                 prompt_length=len(prompt_ids),
                 target=len(generated),
                 order=order,
+                priority=priority,
             )
             for _, generated, _ in sampled
         ]
@@ -590,6 +602,12 @@ class EmbeddedInference(
         try:
             for sequence in sequences:
                 await sequence.done.wait()
+        except BaseException:
+            progress = call_progress.get()
+            if progress is not None:
+                # A cut member's work (read before the replica lets the call go).
+                progress.generated_tokens += sum(sequence.generated for sequence in sequences)
+            raise
         finally:
             state.admitted -= 1
             state.wake_pause()

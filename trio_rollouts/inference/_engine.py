@@ -9,9 +9,11 @@ of them on Trio's clock. What each replica simulates, per step:
    budget, ``max_num_batched_tokens``). A request that needs a KV block when none is
    free preempts the newest running request (which loses its cache and waits at the
    head of the queue, to be computed again: preemption by recompute), or itself.
-2. Then, unless a request was preempted, requests *waiting* are admitted first come,
-   first served, while fewer than ``max_num_seqs`` run, the budget lasts and their
-   blocks fit. On admission the longest run of full blocks of its context already in
+2. Then, unless a request was preempted, requests *waiting* are admitted in queue
+   order (first come, first served; with ``scheduling_policy="priority"``, the default,
+   calls of an older policy epoch first, as vLLM's ``--scheduling-policy priority``
+   with the epoch as the priority), while fewer than ``max_num_seqs`` run, the budget
+   lasts and their blocks fit. On admission the longest run of full blocks of its context already in
    the prefix cache is taken (never the whole context: its last token is computed).
 3. The step takes ``base + per_prefill_token * prefilled + per_decode_seq * decoding``
    seconds (``trio.sleep``: instant under a ``MockClock``); then each request whose
@@ -36,7 +38,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Hashable, Iterator
-from typing import Final
+from typing import Final, Literal
 
 import attrs
 import trio
@@ -62,6 +64,11 @@ class EngineModel:
       ``base + per_prefill_token * prefilled + per_decode_seq * decoding`` (plus
       ``per_prefill_step`` when the step prefills anything; 0 by default).
     - ``prefix_caching``: vLLM's automatic prefix caching (on by default, as there).
+    - ``scheduling_policy``: ``"priority"`` (the default) queues waiting requests by the
+      policy epoch their call started under, older first (vLLM's ``--scheduling-policy
+      priority`` with that epoch as each request's priority: the calls nearest the
+      staleness bound go first), then in arrival order; ``"fcfs"`` by arrival only.
+      The two differ only while calls of several epochs wait.
 
     The step costs default to the fit of the real vLLM 0.32 serving a tiny Llama on one
     core of this project's CPU machine (``tools/vllm/calibrate_engine.py``; the
@@ -82,6 +89,9 @@ class EngineModel:
     per_decode_seq: float = attrs.field(default=0.0000256, validator=non_negative)
     per_prefill_step: float = attrs.field(default=0.0, validator=non_negative)
     prefix_caching: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    scheduling_policy: Literal["priority", "fcfs"] = attrs.field(
+        default="priority", validator=attrs.validators.in_(("priority", "fcfs"))
+    )
 
     @classmethod
     def gpu(cls) -> EngineModel:
@@ -173,6 +183,8 @@ class EngineRequest:
     target: int
     #: The admission order among the calls that arrive at one instant.
     order: tuple[object, ...]
+    #: The policy epoch its call started under (the queue's priority, lower first).
+    priority: int = 0
     policy_epoch: list[tuple[int, int]] = attrs.field(factory=list)
     kv_cache_epoch: list[tuple[int, int]] = attrs.field(factory=list)
     generated: int = 0
@@ -341,7 +353,7 @@ class Replica:
         for seq in reversed(self.running):
             self._release(seq)
             seq.recomputed = True
-            self.waiting.appendleft(seq)
+            self.queue(seq, first=True)
         self.running.clear()
 
     def _preempt(self, seq: EngineRequest) -> None:
@@ -349,7 +361,29 @@ class Replica:
         seq.recomputed = True
         seq.preemptions += 1
         self.counters.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.queue(seq, first=True)
+
+    def queue(self, seq: EngineRequest, *, first: bool = False) -> None:
+        """Put ``seq`` in the waiting queue: last (``first``: at the head, a preempted
+        request) among the requests of its priority when the policy orders by priority,
+        else last (or first)."""
+        waiting = self.waiting
+        if self.model.scheduling_policy == "fcfs":
+            if first:
+                waiting.appendleft(seq)
+            else:
+                waiting.append(seq)
+            return
+        priority = seq.priority
+        if first:
+            i = 0
+            while i < len(waiting) and waiting[i].priority < priority:
+                i += 1
+        else:
+            i = len(waiting)
+            while i > 0 and waiting[i - 1].priority > priority:
+                i -= 1
+        waiting.insert(i, seq)
 
     # ----------------------------------------------------------------- steps
 
@@ -518,7 +552,7 @@ class Cluster:
             replica.calls += 1
             for seq in call.sequences:
                 seq.replica = index
-                replica.waiting.append(seq)
+                replica.queue(seq)
 
     def steps_in_progress(self) -> int:
         return sum(1 for replica in self.replicas if replica.step_end is not None)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import abc
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import attrs
 import trio
 
 from .._messages import ChatMessage, GenerationArgs
+from ._placement import call_progress
 from ._sampling import LogprobsMode
 
 __all__ = [
@@ -178,6 +179,23 @@ def accepts_tokens(interface: object) -> bool:
     return isinstance(interface, AcceptsTokens) and interface.accepts_token_prompts
 
 
+def generated_tokens(response: InferenceResponse) -> int | None:
+    """How many tokens ``response`` generated, as far as it tells: its ids after the
+    prompt, its logprobs, or the server's ``completion_tokens``; ``None`` when none
+    says."""
+    ids, prompt_length = response.token_ids, response.prompt_length
+    if ids is not None and prompt_length is not None:
+        return len(ids) - prompt_length
+    if response.logprobs is not None:
+        return len(response.logprobs)
+    usage = response.usage
+    if usage is not None:
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int) and not isinstance(completion, bool):
+            return completion
+    return None
+
+
 @attrs.define(kw_only=True, eq=False)
 class InferenceInterface(abc.ABC):
     """Base of every inference backend.
@@ -190,6 +208,11 @@ class InferenceInterface(abc.ABC):
     the current Trio run (connections, say); backends without such resources inherit
     the no-op.
     """
+
+    #: Whether a cancelled :meth:`base_generate` adds the tokens it had generated to the
+    #: member's :class:`~._placement.CallProgress` itself (else a cut member's count is
+    #: unknown).
+    reports_cancelled_progress: ClassVar[bool] = False
 
     def prepare_request(
         self,
@@ -234,7 +257,22 @@ class InferenceInterface(abc.ABC):
                 "(EmbeddedInference, OpenAIInference with token_prompts=True)"
             )
             raise TypeError(msg)
-        return await self.base_generate(request)
+        progress = call_progress.get()
+        if progress is None:
+            return await self.base_generate(request)
+        try:
+            response = await self.base_generate(request)
+        except BaseException:
+            # A cancelled call's tokens: the embedded backend adds them itself.
+            if not self.reports_cancelled_progress:
+                progress.known = False
+            raise
+        generated = generated_tokens(response)
+        if generated is None:
+            progress.known = False
+        else:
+            progress.generated_tokens += generated
+        return response
 
     async def aclose(self) -> None:
         """Release what this interface holds in the current Trio run. Idempotent; the

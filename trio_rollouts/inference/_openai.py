@@ -33,8 +33,9 @@ import attrs
 import httpx2
 import trio
 
-from .._checks import int_at_least, is_real
+from .._checks import check_bool, int_at_least, is_real
 from .._concurrency import flatten_exception_groups
+from .._gate import call_start_epoch
 from .._messages import ChatMessage
 from ._config import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT, KEEPALIVE_EXPIRY, Limits, Timeout
 from ._control import (
@@ -444,6 +445,18 @@ class _EpochBox:
 # --------------------------------------------------------------------------- the backend
 
 
+def _check_priority(
+    instance: OpenAIInference, attribute: attrs.Attribute[Any], value: object
+) -> None:
+    check_bool(instance, attribute, value)
+    if value and instance.server != "vllm":
+        msg = (
+            f"priority=True needs server='vllm' (got server={instance.server!r}): only vLLM "
+            "takes a request priority (with --scheduling-policy priority)"
+        )
+        raise ValueError(msg)
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class OpenAIInference(
     InferenceInterface, GeneratesGroups, ReturnsRaw, ReturnsLogProbs, AcceptsTokens, Pausable
@@ -567,6 +580,11 @@ class OpenAIInference(
     - ``routing_margin``: how many calls in flight a group's replica may have above the
       least loaded one before the group's next call goes elsewhere
       (:data:`DEFAULT_ROUTING_MARGIN`; ``0``: only while it is among the least loaded).
+    - ``priority``: with ``server="vllm"`` only, send each call's start epoch (its
+      group's ``start_epoch`` in a pipeline, else :attr:`policy_epoch`) as vLLM's
+      ``priority``, so that calls of older epochs, nearest the staleness bound, leave
+      the queue first. The server must run with ``--scheduling-policy priority`` (vLLM
+      refuses a priority otherwise). Off by default.
 
     **Groups.** :meth:`agenerate_group` (the interface is
     :class:`~trio_rollouts.inference.GeneratesGroups`) sends one request for ``n``
@@ -637,6 +655,7 @@ class OpenAIInference(
     token_prompts: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     routing: Routing = attrs.field(default="group", validator=check_routing)
     routing_margin: int = attrs.field(default=DEFAULT_ROUTING_MARGIN, validator=int_at_least(0))
+    priority: bool = attrs.field(default=False, validator=_check_priority)
     # The replicas as shown in errors (no credentials), parsed once, not per attempt.
     _shown_urls: tuple[str, ...] = attrs.field(
         init=False,
@@ -1081,6 +1100,8 @@ class OpenAIInference(
         else:
             body = self._token_request_body(request)
             path = _ENDPOINT_PATHS["completions"]
+        if self.priority:
+            body["priority"] = call_start_epoch.get(self._epoch.value)
         state = self._state()
         pause = state.pause
         if pause.hold is not None:
@@ -1196,8 +1217,12 @@ class OpenAIInference(
         """The request's body and path: its endpoint's, or ``/completions`` for an id
         prompt."""
         if request.prompt_ids is None:
-            return self._request_body(request), _ENDPOINT_PATHS[self.endpoint]
-        return self._token_request_body(request), _ENDPOINT_PATHS["completions"]
+            body, path = self._request_body(request), _ENDPOINT_PATHS[self.endpoint]
+        else:
+            body, path = self._token_request_body(request), _ENDPOINT_PATHS["completions"]
+        if self.priority:
+            body["priority"] = call_start_epoch.get(self._epoch.value)
+        return body, path
 
     async def _generate_one(
         self,

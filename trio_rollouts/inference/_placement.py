@@ -36,10 +36,12 @@ from .._checks import int_at_least
 __all__ = [
     "DEFAULT_ROUTING_MARGIN",
     "ROUTINGS",
+    "CallProgress",
     "Placement",
     "Routing",
     "call_episode",
     "call_group",
+    "call_progress",
     "check_routing",
     "current_call",
 ]
@@ -65,6 +67,30 @@ call_group: contextvars.ContextVar[tuple[int, int, int] | None] = contextvars.Co
 #: agents around each member's calls. ``None`` for calls made for the group as a whole.
 call_episode: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "trio_rollouts_call_episode", default=None
+)
+
+
+class CallProgress:
+    """What one member's calls have generated, for a member that is cut (``_cuts.py``):
+    the library's agents set one per member through :data:`call_progress`, and
+    ``InferenceInterface.agenerate`` adds each finished call's generated tokens. A
+    cancelled call adds what its backend reports (the embedded backend knows to the
+    token); a backend that cannot tell makes the count unknown (``known`` false)."""
+
+    __slots__ = ("generated_tokens", "known")
+
+    def __init__(self) -> None:
+        self.generated_tokens = 0
+        self.known = True
+
+    def total(self) -> int | None:
+        """The tokens generated, or ``None`` when some call's are unknown."""
+        return self.generated_tokens if self.known else None
+
+
+#: The current member's :class:`CallProgress` (``None``: nobody counts).
+call_progress: contextvars.ContextVar[CallProgress | None] = contextvars.ContextVar(
+    "trio_rollouts_call_progress", default=None
 )
 
 #: Sticky entries kept (oldest forgotten first): far more groups than are ever in flight.
