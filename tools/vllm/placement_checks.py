@@ -23,6 +23,10 @@ warning). Each call carries its group's key as the pipeline sets it (``call_grou
   fallback sends).
 - **cancel**: a cancelled group of 8 long choices on the native route: the server runs
   none of them a moment later (its request is aborted by id, all choices with it).
+- **priority**: ``priority=True`` on ``processed``, run with ``--scheduling-policy
+  priority``: of two calls waiting for a slot, the one of the older epoch goes first
+  though it came second; the first-come ``scale_out`` refuses a priority with a 400
+  naming it.
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ from run import CheckFailed, check
 from sampling_checks import wait_for_tokens
 
 import trio_rollouts as tr
+from trio_rollouts._gate import call_start_epoch
 from trio_rollouts.inference._placement import call_group
 
 #: The workload: groups, calls per group, shared prefix, question lengths, tokens.
 GROUPS = 8
+#: The servers' --max-num-seqs (SCHEDULER_FLAGS of this folder's run.py; the ``run``
+#: imported here is real_server's).
+MAX_NUM_SEQS = 16
 SIZE = 8
 PREFIX = 256
 QUESTIONS = tuple(256 - 16 * g for g in range(GROUPS))  # 256 ... 144 tokens
@@ -310,6 +318,50 @@ async def check_cancel(scale_out: VLLM) -> str:
     )
 
 
+async def check_priority(scale_out: VLLM, processed: VLLM) -> str:
+    """Older epochs first: the processed server runs with ``--scheduling-policy priority``.
+    Its ``--max-num-seqs`` calls of epoch 0 fill it (each a few tokens longer than the
+    last, so one slot frees at a time); then a call of epoch 2 arrives, and after it one
+    of epoch 1. With ``priority=True`` the epoch-1 call, sent last, is served first. On a
+    first-come server (``scale_out``, native route) a priority is refused with a clear
+    error."""
+    backend = interface([processed], priority=True)
+    prompt = workload(random.Random())[0][:64]
+    finished: list[int] = []
+
+    async def call(epoch: int, tokens: int) -> None:
+        call_start_epoch.set(epoch)
+        await backend.agenerate(
+            tr.InferenceRequest(
+                prompt=[], prompt_ids=prompt, generation_args=tr.GenerationArgs(max_tokens=tokens)
+            )
+        )
+        finished.append(epoch)
+
+    before = await in_thread(processed.metric, "vllm:generation_tokens_total")
+    async with trio.open_nursery() as nursery:
+        for i in range(MAX_NUM_SEQS):
+            nursery.start_soon(call, 0, 64 + 16 * i)
+        await wait_for_tokens(processed, before, MAX_NUM_SEQS * 8)
+        nursery.start_soon(call, 2, 1)
+        await trio.sleep(0.5)
+        nursery.start_soon(call, 1, 1)
+    await backend.aclose()
+    late = [epoch for epoch in finished if epoch]
+    check(late == [1, 2], f"the waiting calls finished in epoch order {late}, not [1, 2]")
+    refused = interface([scale_out], priority=True)
+    call_start_epoch.set(1)
+    try:
+        await refused.agenerate(request(prompt))
+    except tr.inference.BadRequestError as error:
+        check("priority" in str(error).lower(), f"the refusal does not name priority: {error}")
+    else:
+        check(False, "a first-come server took a priority")
+    finally:
+        await refused.aclose()
+    return "a waiting call of epoch 1 went before one of epoch 2 that came first"
+
+
 async def run_placement_checks(scale_out: VLLM, processed: VLLM) -> None:
     servers = [scale_out, processed]
     for name, run_check in (
@@ -317,6 +369,7 @@ async def run_placement_checks(scale_out: VLLM, processed: VLLM) -> None:
         ("n", lambda: check_n(servers)),
         ("seeds", lambda: check_seeds(scale_out)),
         ("cancel", lambda: check_cancel(scale_out)),
+        ("priority", lambda: check_priority(scale_out, processed)),
     ):
         with trio.fail_after(300):
             print(f"{name}: {await run_check()}", flush=True)

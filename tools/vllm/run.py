@@ -96,7 +96,12 @@ VLLM_ENV = {
 #: core each.
 SERVERS = {
     "scale-out": (["--enable-scale-out"], "0"),
-    "processed": (["--logprobs-mode", "processed_logprobs"], "1"),
+    # Calls of older epochs first (OpenAIInference(priority=True)): placement_checks.
+    # The first-come scale-out server shows the refusal of a priority.
+    "processed": (
+        ["--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority"],
+        "1",
+    ),
 }
 
 
