@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "real_server"))
 from build_tiny_llama import build
 from checks import VLLM, run_library_checks
 from gateway_checks import check_gateway
-from placement_checks import run_placement_checks
+from placement_checks import check_priority, run_placement_checks
 from run import (
     HOST,
     OFFLINE,
@@ -96,12 +96,7 @@ VLLM_ENV = {
 #: core each.
 SERVERS = {
     "scale-out": (["--enable-scale-out"], "0"),
-    # Calls of older epochs first (OpenAIInference(priority=True)): placement_checks.
-    # The first-come scale-out server shows the refusal of a priority.
-    "processed": (
-        ["--logprobs-mode", "processed_logprobs", "--scheduling-policy", "priority"],
-        "1",
-    ),
+    "processed": (["--logprobs-mode", "processed_logprobs"], "1"),
 }
 
 
@@ -151,14 +146,24 @@ def launch(
     return server, f"http://{HOST}:{port}"
 
 
+#: The server of the priority check, started after the others have stopped: calls of
+#: older epochs first (``OpenAIInference(priority=True)``). With this policy on either
+#: of the two others, the scale-out server's abort check failed in three runs of three
+#: (the pause left some requests unaborted: 4 and 7 requests for 4 calls, not 8); without
+#: it, it passed in four of four. Not understood; kept apart.
+PRIORITY_SERVER = {"priority": (["--scheduling-policy", "priority"], "0")}
+
+
 @contextlib.contextmanager
-def serving(model_dir: Path, work: Path) -> Iterator[dict[str, VLLM]]:
-    """Run the :data:`SERVERS` for the block, started at once; yield them by name once
-    each has completed a request."""
+def serving(
+    model_dir: Path, work: Path, which: dict[str, tuple[list[str], str]] = SERVERS
+) -> Iterator[dict[str, VLLM]]:
+    """Run the servers ``which`` names (:data:`SERVERS` by default) for the block, started
+    at once; yield them by name once each has completed a request."""
     with contextlib.ExitStack() as stack:
         servers: dict[str, VLLM] = {}
         started = {}
-        for name, (flags, core) in SERVERS.items():
+        for name, (flags, core) in which.items():
             log_path = work / f"server-{name}.log"
             server, root = launch(model_dir, log_path, flags, core)
             stack.callback(stop, server)
@@ -332,6 +337,12 @@ def main(work: Path, grpo: bool) -> None:
             check(done.returncode == 0, f"the GRPO example exited with {done.returncode}")
             timings["grpo"] = time.monotonic() - mark
             check_reward_rises(work / "grpo" / "history.json")
+
+    step("older epochs first: a server with --scheduling-policy priority")
+    mark = time.monotonic()
+    with serving(model_dir, work, PRIORITY_SERVER) as servers:
+        print(f"priority: {trio.run(check_priority, servers['priority'])}", flush=True)
+    timings["priority"] = time.monotonic() - mark
 
     timings["total"] = time.monotonic() - started
     step("passed")

@@ -583,8 +583,9 @@ class OpenAIInference(
     - ``priority``: with ``server="vllm"`` only, send each call's start epoch (its
       group's ``start_epoch`` in a pipeline, else :attr:`policy_epoch`) as vLLM's
       ``priority``, so that calls of older epochs, nearest the staleness bound, leave
-      the queue first. The server must run with ``--scheduling-policy priority`` (vLLM
-      refuses a priority otherwise). Off by default.
+      the queue first. The server must run with ``--scheduling-policy priority``
+      (vLLM 0.32 takes a priority on a first-come server and ignores it). Off by
+      default.
 
     **Groups.** :meth:`agenerate_group` (the interface is
     :class:`~trio_rollouts.inference.GeneratesGroups`) sends one request for ``n``
