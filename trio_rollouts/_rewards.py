@@ -26,14 +26,15 @@ Design notes:
   the run ends). A killed worker is replaced by a fresh one when a call next needs it,
   not eagerly.
 - **The timeout counts the function's run, on the real clock.** Waiting for a token,
-  starting a worker and the imports that unpickling ``fn`` and its arguments need (one
-  second for sympy) do not count: each call first sends ``fn`` and its arguments to the
-  worker untimed (``len((fn, *args))``), then, on the same worker (the pool hands back
-  the worker it was just given, with no checkpoint in between), the timed call. The
-  deadline is ``time.monotonic()`` based, watched by a thread, not Trio's clock: it
-  bounds a process, which a :class:`trio.testing.MockClock` does not slow down or speed
-  up, so rewards behave the same in tests on a mock clock. The untimed part is bounded
-  by the caller's own deadline (a group's ``group_timeout``) only.
+  starting a worker and the imports that unpickling ``fn`` and its arguments need
+  (sympy's take a fraction of a second) do not count: each call first sends ``fn`` and
+  its arguments to the worker untimed (``len((fn, *args))``), then, on the same worker
+  (the pool hands back the worker it was just given, with no checkpoint in between),
+  the timed call. The deadline is ``time.monotonic()`` based, watched by a thread, not
+  Trio's clock: it bounds a process, which a :class:`trio.testing.MockClock` does not
+  slow down or speed up, so rewards behave the same in tests on a mock clock. The
+  untimed part is bounded by the caller's own deadline (a group's ``group_timeout``)
+  only.
 - **Cancellation kills.** Calls run with ``kill_on_cancel``: when the caller is
   cancelled (its group's deadline, a consumer that stops, a sibling's failure), the
   worker is killed and reaped before ``trio.Cancelled`` propagates. A reward deadline
@@ -41,10 +42,11 @@ Design notes:
   group's cancel scope.
 - **Pickling.** ``trio-parallel`` pickles with ``cloudpickle`` (a dependency): a function
   of an importable module goes by reference, one of ``__main__`` (a script, a notebook),
-  a lambda or a closure by value. Exceptions
-  come back as themselves, with the worker's traceback. A script that calls
-  :func:`run_reward` must guard its entry point with ``if __name__ == "__main__":``,
-  since each worker imports the main module (as :mod:`multiprocessing` requires).
+  a lambda or a closure by value. Exceptions come back as themselves, with the worker's
+  traceback. A script that calls :func:`run_reward` must guard its entry point with
+  ``if __name__ == "__main__":``, since each worker imports the main module (as
+  :mod:`multiprocessing` requires); a worker that dies (that, or a crash in ``fn``)
+  raises ``trio_parallel.BrokenWorkerError`` with a note saying what to check.
 
 Threads: :func:`run_reward` and :func:`current_reward_limiter` are called in a Trio run;
 each alarm thread touches only its ``threading.Event`` and cancels through the run's
@@ -259,7 +261,7 @@ async def run_reward(fn: Callable[[*Ts], T], *args: *Ts, timeout: float) -> T:  
         class MathAgent(tr.RewardOnlyAgent):
             async def get_reward(self, problem, response):
                 return await tr.run_reward(
-                    score, str(problem.answer), response.response.content, timeout=5.0
+                    score, str(problem.answer), response.response.content, timeout=20.0
                 )
 
     The workers belong to the current Trio run: opened by its first call, closed when
