@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import cloudpickle
 import pytest
 import trio
 import trio.testing
@@ -202,19 +203,25 @@ def run_page(page: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> int:
     monkeypatch.setattr(trio_rollouts, "EmbeddedInference", BACKENDS[backend])
     module = types.ModuleType(f"docs_example_{page.stem.replace('-', '_')}")
     monkeypatch.setitem(sys.modules, module.__name__, module)
+    # The module exists in this process only: what run_reward sends to a worker process
+    # goes by value, as a notebook's functions do (they live in __main__).
+    cloudpickle.register_pickle_by_value(module)
     ran = 0
-    for example in examples(page):
-        if example.runs_in(backend):
-            try:
-                run_example(example, module.__dict__)
-            except Exception as exc:
-                exc.add_note(
-                    f"in the example at {page.name}:{example.line} ({backend} run). A sketch, "
-                    "or an example that needs a server, is skipped by the line "
-                    "'<!-- docs-test: skip (reason) -->' just before its fence."
-                )
-                raise
-            ran += 1
+    try:
+        for example in examples(page):
+            if example.runs_in(backend):
+                try:
+                    run_example(example, module.__dict__)
+                except Exception as exc:
+                    exc.add_note(
+                        f"in the example at {page.name}:{example.line} ({backend} run). A "
+                        "sketch, or an example that needs a server, is skipped by the line "
+                        "'<!-- docs-test: skip (reason) -->' just before its fence."
+                    )
+                    raise
+                ran += 1
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
     return ran
 
 
@@ -231,10 +238,16 @@ def page_runs() -> Iterator[Any]:
             yield pytest.param(page, "text-only", id=f"text-only-{name}")
 
 
+#: The module a page's examples need from an optional extra: without it, the page is skipped.
+NEEDS = {"rewards.md": "math_verify"}
+
+
 @pytest.mark.parametrize(("page", "backend"), list(page_runs()))
 def test_the_examples_of_a_page_run(
     page: Path, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if page.name in NEEDS:
+        pytest.importorskip(NEEDS[page.name])
     assert run_page(page, monkeypatch, backend) > 0
 
 

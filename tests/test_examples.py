@@ -32,7 +32,11 @@ EXPECTED_LINE = {
     "sync_bridge_loop.py": r"40 groups delivered",
     "weight_update_loop.py": r"epoch 5, 5 updates, 40 groups, \d+ stale, 0 mixed, unaccounted 0",
     "logging_loop.py": r"last step: 4, \d+ keys, reward [\d.]+, unaccounted 0",
+    "math_reward.py": r"6 groups scored in worker processes, mean reward [\d.]+",
 }
+
+#: The module an example needs from an optional extra: without it, the run is skipped.
+NEEDS = {"math_reward.py": "math_verify"}
 
 
 def marked_blocks() -> dict[str, list[str]]:
@@ -95,6 +99,8 @@ def test_the_example_is_the_docs_code(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_LINE))
 def test_the_example_runs(name: str, tmp_path: Path) -> None:
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / name)],

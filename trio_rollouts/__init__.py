@@ -30,6 +30,7 @@ from ._evaluation import shard_indices as shard_indices
 from ._failure import FailureBudgetExceededError as FailureBudgetExceededError
 from ._failure import FailurePolicy as FailurePolicy
 from ._failure import GroupTimeoutError as GroupTimeoutError
+from ._failure import RewardTimeoutError as RewardTimeoutError
 from ._failure import StepTimeoutError as StepTimeoutError
 from ._ledger import EnvironmentStatistics as EnvironmentStatistics
 from ._ledger import RolloutStreamStatistics as RolloutStreamStatistics
@@ -56,6 +57,8 @@ from ._multitask import WeightedMultiTask as WeightedMultiTask
 from ._multitask import WeightedTask as WeightedTask
 from ._prompts import PromptSource as PromptSource
 from ._reward_only import RewardOnlyAgent as RewardOnlyAgent
+from ._rewards import current_reward_limiter as current_reward_limiter
+from ._rewards import run_reward as run_reward
 from ._sampling import SamplingBiasError as SamplingBiasError
 from ._sampling import SamplingBiasWarning as SamplingBiasWarning
 from ._stream import RolloutStream as RolloutStream

@@ -102,17 +102,26 @@ def non_negative_seconds(instance: object, attribute: attrs.Attribute[Any], valu
 
 
 def check_seconds(
-    name: str, value: object, *, positive: bool = False, optional: bool = True
+    name: str,
+    value: object,
+    *,
+    positive: bool = False,
+    optional: bool = True,
+    finite: bool = False,
 ) -> None:
-    """A duration in seconds: a real ``>= 0`` (``> 0`` when ``positive``), ``inf`` allowed,
-    NaN refused; ``None`` ("no limit") when ``optional``."""
+    """A duration in seconds: a real ``>= 0`` (``> 0`` when ``positive``), ``inf`` allowed
+    unless ``finite``, NaN refused; ``None`` ("no limit") when ``optional``."""
     if value is None and optional:
         return
     bound = "> 0" if positive else ">= 0"
     alternative = " or None for no limit" if optional else ""
+    number = "a finite number" if finite else "a number"
     if not is_real(value):
-        msg = f"{name} must be a number of seconds {bound}{alternative}, got {value!r}"
+        msg = f"{name} must be {number} of seconds {bound}{alternative}, got {value!r}"
         raise TypeError(msg)
+    if finite and math.isinf(value):  # type: ignore[arg-type]
+        msg = f"{name} must be {number} of seconds {bound}{alternative}, got {value!r}"
+        raise ValueError(msg)
     if math.isnan(value) or value < 0 or (positive and value == 0):  # type: ignore[arg-type,operator]
         msg = f"{name} must be {bound} seconds{alternative}, got {value!r}"
         raise ValueError(msg)

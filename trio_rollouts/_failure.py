@@ -28,6 +28,7 @@ __all__ = [
     "FailureBudgetExceededError",
     "FailurePolicy",
     "GroupTimeoutError",
+    "RewardTimeoutError",
     "StepTimeoutError",
     "default_transient_errors",
 ]
@@ -44,6 +45,12 @@ class StepTimeoutError(TimeoutError):
     policy allows retries."""
 
 
+class RewardTimeoutError(TimeoutError):
+    """A reward function run by :func:`~trio_rollouts.run_reward` ran past its ``timeout``;
+    its worker process was killed (a fresh one replaces it). Transient by default: the
+    whole group is retried when the policy allows retries."""
+
+
 class FailureBudgetExceededError(RuntimeError):
     """More groups were skipped than ``FailurePolicy.skip_budget`` allows.
 
@@ -57,9 +64,10 @@ class FailureBudgetExceededError(RuntimeError):
 
 
 def default_transient_errors() -> tuple[type[BaseException], ...]:
-    """The inference layer's transient errors, the group deadline and the environment
-    step deadline."""
-    return (*TRANSIENT_ERRORS, GroupTimeoutError, StepTimeoutError)
+    """The inference layer's transient errors, the group deadline, the environment step
+    deadline and the reward deadline (:func:`~trio_rollouts.run_reward`): a timeout may
+    not recur on another attempt, whose completions differ."""
+    return (*TRANSIENT_ERRORS, GroupTimeoutError, StepTimeoutError, RewardTimeoutError)
 
 
 def _non_negative_seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -99,7 +107,8 @@ class FailurePolicy:
     - ``max_attempts``: attempts per group, retries included (1: no retry).
     - ``retry_on``: exception types that are transient, hence retried. Default: the
       inference layer's transient errors (connection errors, timeouts, 408/409/429/5xx),
-      :class:`GroupTimeoutError` and :class:`StepTimeoutError`.
+      :class:`GroupTimeoutError`, :class:`StepTimeoutError` and
+      :class:`RewardTimeoutError`.
     - ``wait_initial``, ``wait_max``, ``wait_jitter``: the exponential backoff between
       attempts (seconds; stamina's meaning).
     - ``on_failure``: ``"raise"`` or ``"skip"``; see the module docstring.
