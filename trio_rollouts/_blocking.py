@@ -100,6 +100,8 @@ class BridgedStream(Protocol):
 
     def statistics(self) -> RolloutStreamStatistics: ...
 
+    def metrics(self) -> dict[str, float]: ...
+
     @property
     def policy_epoch(self) -> int: ...
 
@@ -387,6 +389,17 @@ class BlockingRolloutStream:
             return stream.statistics()
 
         return self._call(snapshot)
+
+    def metrics(self) -> dict[str, float]:
+        """What happened since the last call, as one flat dict of floats for any logger
+        (see :meth:`RolloutStream.metrics <trio_rollouts.RolloutStream.metrics>`; the
+        consumer's waits are those of the bridge's Trio thread)."""
+        stream = self._require_stream()
+
+        async def report() -> dict[str, float]:
+            return stream.metrics()
+
+        return self._call(report)
 
     def __iter__(self) -> Iterator[RolloutGroup]:
         while True:

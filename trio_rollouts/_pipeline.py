@@ -151,6 +151,7 @@ from ._draws import Draw, DrawBook, current_draws, finish, give_back
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._gate import DropReason, UpdateGate, call_start_epoch
 from ._ledger import EnvironmentCounters, Ledger
+from ._metrics import MetricsBook
 from ._models import Cut, GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._models import checked_group as prechecked_group
 from ._order import BatchOrder
@@ -282,6 +283,7 @@ class Pipeline:
         "max_consecutive_filtered",
         "max_outstanding",
         "may_retry",
+        "metrics",
         "num_groups",
         "order",
         "park_when_idle",
@@ -324,6 +326,7 @@ class Pipeline:
         # The mechanisms (see the module docstring).
         self.slots = Slots(request.num_groups, request.streaming)
         self.ledger = Ledger(hooks.env_of_slot)
+        self.metrics = MetricsBook()
         self.gate = UpdateGate(workers, epoch, request.max_staleness)
         self.draws = DrawBook(hooks.draws_prompts)
         self.order = BatchOrder(request.num_groups) if request.enforce_order else None
@@ -395,6 +398,9 @@ class Pipeline:
         if self.draws.tracking:
             self.draws.taken((batch_id, group.index_in_batch))
         self.slots.taken(batch_id)
+        staleness = self.gate.epoch - group.start_epoch
+        if staleness:
+            self.metrics.taken(staleness)
         if self.admission is not None:
             self.admission.wake()
         if self.same_reward_groups >= 0:
@@ -1117,6 +1123,7 @@ async def open_grouped_rollouts(
             await interface.resume(request.initial_epoch)
     await check_sampling(request, type(agent).__name__)
     pipeline = Pipeline(agent, request, hooks, epoch)
+    pipeline.metrics.opened()
     stream = open_stream(pipeline)
     consumer_errors: list[BaseException] = []  # the body's own exception is not flattened
     with flatten_exception_groups(consumer_errors), pipeline.send_channel, pipeline.receive_channel:
@@ -1138,6 +1145,7 @@ async def open_grouped_rollouts(
                     nursery.cancel_scope.cancel()
         finally:
             pipeline.closed = True
+            pipeline.metrics.closed()
             # Prompts of finished groups nobody took are drawn again (invariant 11), and
             # those groups end as cancelled at shutdown (invariant 7).
             pipeline.draws.give_back_all()

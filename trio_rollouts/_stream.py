@@ -109,15 +109,19 @@ class RolloutStream:
         # never blocked, so no blocked sender is woken (no channel_received()).
         p = self._pipeline
         gate = p.gate
-        while True:
-            group = await self._channel.receive()
-            if gate.max_staleness is None or not gate.too_old(group.start_epoch):
-                return group
-            p.regenerate_stale(group)
-            try:
-                return self._pull_nowait()
-            except trio.WouldBlock:
-                pass
+        waited = trio.current_time()
+        try:
+            while True:
+                group = await self._channel.receive()
+                if gate.max_staleness is None or not gate.too_old(group.start_epoch):
+                    return group
+                p.regenerate_stale(group)
+                try:
+                    return self._pull_nowait()
+                except trio.WouldBlock:
+                    pass
+        finally:
+            p.metrics.wait_seconds += trio.current_time() - waited
 
     def _take(self, group: RolloutGroup) -> RolloutGroup:
         self._pipeline.taken(group)
@@ -239,6 +243,28 @@ class RolloutStream:
         return open_weight_update(self._pipeline, mode, epoch, backends)
 
     # ---------------------------------------------------------------- statistics
+
+    def metrics(self) -> dict[str, float]:
+        """What happened since the last call (or since the stream opened), as one flat
+        dict of floats for any logger (W&B, TensorBoard, MLflow; see
+        ``docs/logging.md``): the ledger's counters as deltas (``rollout/groups_delivered``,
+        ``rollout/stale``, ``rollout/cut``, ...), ``rollout/groups_per_s``, the staleness
+        of the groups taken (``rollout/staleness_mean``, ``_p50``, ``_p99``, ``_max``),
+        the time the consumer waited for groups (``rollout/wait_for_batch_s``) and weight
+        updates spent pausing (``rollout/weight_update_pause_s``), gauges
+        (``rollout/in_flight``, ``rollout/buffered``, ``rollout/pending``,
+        ``rollout/policy_epoch``, ``process/rss_mb``), the event loop's lag
+        (``loop/lag_p50_ms``, ``_p99_ms``, ``_max_ms``: sampled from the first call on,
+        so from the second call's dict), and per replica of the request's backend
+        (``inference/<i>/...``: the engine model's ``prefix_cache_hit_rate``,
+        ``generation_tokens``, ``preemptions``, ``busy_s``, ``running``, ``waiting``;
+        the HTTP client's ``requests`` and ``in_flight``). Times are on Trio's clock.
+
+        Not a checkpoint. Works after the ``async with`` has exited too (the last
+        interval).
+        """
+        p = self._pipeline
+        return p.metrics.report(self.statistics(), p.request.inference_interface)
 
     def statistics(self) -> RolloutStreamStatistics:
         """A snapshot of the pipeline's counters. Not a checkpoint."""

@@ -189,6 +189,7 @@ async def open_weight_update(
                 )
                 raise WeightUpdateError(msg) from exc
         update.pause_seconds = trio.current_time() - entered
+        p.metrics.pause_seconds += update.pause_seconds
     except BaseException as exc:
         # A pause failed, or the update was cancelled before its body (or the pipeline
         # failed): resume what was paused (the failing backend included) under the old

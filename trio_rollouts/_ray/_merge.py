@@ -87,6 +87,7 @@ import trio
 
 from .._concurrency import flatten_exception_groups
 from .._ledger import EnvironmentStatistics, RolloutStreamStatistics
+from .._metrics import MetricsBook
 from .._models import RolloutGroup
 from .._prompts import PromptSource
 from .._stream import (
@@ -352,6 +353,7 @@ class RayRolloutStream:
     _update_number: int
     _prompts_states: list[dict[str, Any]] | None
     _done_on_take: bool
+    _metrics: MetricsBook
 
     def __init__(self) -> None:
         msg = "RayRolloutStream is created by open_ray_rollouts()"
@@ -679,6 +681,14 @@ class RayRolloutStream:
             merged, policy_epoch=self._policy_epoch, weight_updates=self._weight_updates
         )
 
+    def metrics(self) -> dict[str, float]:
+        """As :meth:`RolloutStream.metrics <trio_rollouts.RolloutStream.metrics>`, from
+        the merged counters of :meth:`statistics` (as of each actor's latest reply):
+        the deltas, the gauges, the loop's lag and the process's RSS of this (the
+        trainer's) process; no staleness percentiles or waits, which the actors keep.
+        Not a checkpoint."""
+        return self._metrics.report(self.statistics(), None)
+
     # ---------------------------------------------------------------- prompts
 
     async def prompts_state_dict(self) -> dict[str, Any]:
@@ -993,6 +1003,8 @@ def new_merged_stream(
     self._cancel_scope = None
     self._policy_epoch = 0  # the actors' greatest, once they have started
     self._weight_updates = 0
+    self._metrics = MetricsBook()
+    self._metrics.opened()
     self._updating = False
     self._update_number = 0
     self._prompts_states = prompts_states  # shard i is loaded into actor i
