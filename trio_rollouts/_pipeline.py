@@ -158,6 +158,8 @@ from ._order import BatchOrder
 from ._sampling import call_attempt, call_slot, check_sampling
 from ._slots import PARKED, SENT, Slots
 from ._stream import RolloutStream, discard_untaken, open_stream
+from ._tracing import SampleSpans, traced
+from ._tracing import state as tracing
 from .inference import Pausable
 from .inference._interface import require_raw
 from .inference._placement import call_group
@@ -299,6 +301,7 @@ class Pipeline:
         "send_channel",
         "skipping",
         "slots",
+        "spans",
         "streaming",
         "timed",
     )
@@ -318,6 +321,11 @@ class Pipeline:
         self.max_outstanding = agent.parallel_generation_tasks // request.num_groups
         self.max_consecutive_filtered = agent.max_consecutive_filtered
         self.generate = hooks.generate
+        # OpenTelemetry spans per call, when trio_rollouts.otel is instrumented.
+        tracer = tracing.tracer
+        self.spans = None if tracer is None else SampleSpans(tracer)
+        if self.spans is not None:
+            self.generate = traced(hooks.generate, self.spans, self.current_epoch)
         self.send_channel, self.receive_channel = trio.open_memory_channel[RolloutGroup](
             agent.buffer_size
         )
@@ -377,6 +385,10 @@ class Pipeline:
             else None
         )
 
+    def current_epoch(self) -> int:
+        """The stream's policy epoch (calls that start now start under it)."""
+        return self.gate.epoch
+
     def worker_count(self) -> int:
         return self.max_outstanding * self.num_groups if self.streaming else self.num_groups
 
@@ -401,6 +413,8 @@ class Pipeline:
         staleness = self.gate.epoch - group.start_epoch
         if staleness:
             self.metrics.taken(staleness)
+        if self.spans is not None:
+            self.spans.delivered((batch_id, group.index_in_batch), staleness, len(group.cuts))
         if self.admission is not None:
             self.admission.wake()
         if self.same_reward_groups >= 0:
@@ -447,6 +461,8 @@ class Pipeline:
         self.ledger.pending -= 1
         self.ledger.stale += 1
         slot = (group.batch_id, group.index_in_batch)
+        if self.spans is not None:
+            self.spans.ended(slot, "stale")
         self.draws.give_back(slot)
         self.slots.put_first(*slot)
         if self.admission is not None:
@@ -766,6 +782,8 @@ class Pipeline:
                 if draws:
                     self.draws.accepted((batch_id, index), draws)
                 return group
+            if self.spans is not None:
+                self.spans.ended((batch_id, index), "filtered")
             if draws:
                 finish(draws)  # filtered: done for this epoch, not trained
             if self.same_reward_groups >= 0:
@@ -983,6 +1001,8 @@ class Pipeline:
         except Exception as exc:
             if draws:
                 give_back(draws)
+            if self.spans is not None:
+                self.spans.ended((batch_id, index), "failed")
             self.ledger.failure(exc, env)
             self.ledger.raised += 1  # a broken contract is never retried or skipped
             raise
@@ -1146,6 +1166,8 @@ async def open_grouped_rollouts(
         finally:
             pipeline.closed = True
             pipeline.metrics.closed()
+            if pipeline.spans is not None:
+                pipeline.spans.close()
             # Prompts of finished groups nobody took are drawn again (invariant 11), and
             # those groups end as cancelled at shutdown (invariant 7).
             pipeline.draws.give_back_all()

@@ -28,6 +28,7 @@ import trio
 from .._checks import check_natural, int_at_least, non_negative
 from .._gate import call_start_epoch
 from .._messages import ChatMessage, GenerationArgs
+from .._tracing import current_sample
 from ._engine import (
     Call,
     Cluster,
@@ -519,6 +520,9 @@ class EmbeddedInference(
             policy_epoch = [(0, self._generation_epoch)]
             kv_cache_epoch = list(policy_epoch)
             await state.prefill(first_token)
+            sample = current_sample.get()
+            if sample is not None:
+                sample.first_event("first_token")
             recomputed = False
             while k < len(generated):
                 if state.holds_in_flight():

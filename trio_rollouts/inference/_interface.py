@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from .._messages import ChatMessage, GenerationArgs
+from .._tracing import current_sample
 from ._placement import call_progress
 from ._sampling import LogprobsMode
 
@@ -259,7 +260,11 @@ class InferenceInterface(abc.ABC):
             raise TypeError(msg)
         progress = call_progress.get()
         if progress is None:
-            return await self.base_generate(request)
+            response = await self.base_generate(request)
+            sample = current_sample.get()
+            if sample is not None:
+                sample.first_event("first_response")
+            return response
         try:
             response = await self.base_generate(request)
         except BaseException:
