@@ -146,11 +146,8 @@ def launch(
     return server, f"http://{HOST}:{port}"
 
 
-#: The server of the priority check, started after the others have stopped: calls of
-#: older epochs first (``OpenAIInference(priority=True)``). With this policy on either
-#: of the two others, the scale-out server's abort check failed in three runs of three
-#: (the pause left some requests unaborted: 4 and 7 requests for 4 calls, not 8); without
-#: it, it passed in four of four. Not understood; kept apart.
+#: The server of the priority check (``OpenAIInference(priority=True)``), started after
+#: the others have stopped, so that its scheduling policy touches no other check.
 PRIORITY_SERVER = {"priority": (["--scheduling-policy", "priority"], "0")}
 
 

@@ -582,10 +582,11 @@ class OpenAIInference(
       (:data:`DEFAULT_ROUTING_MARGIN`; ``0``: only while it is among the least loaded).
     - ``priority``: with ``server="vllm"`` only, send each call's start epoch (its
       group's ``start_epoch`` in a pipeline, else :attr:`policy_epoch`) as vLLM's
-      ``priority``, so that calls of older epochs, nearest the staleness bound, leave
-      the queue first. The server must run with ``--scheduling-policy priority``
-      (vLLM 0.32 takes a priority on a first-come server and ignores it). Off by
-      default.
+      ``priority`` (lower first), for a server run with ``--scheduling-policy
+      priority``: calls of older epochs, nearest the staleness bound, are to leave the
+      queue first. vLLM 0.32 takes the field on any server; on its CPU build we could
+      not observe it reorder waiting requests (``tools/vllm/placement_checks.py``
+      reports the order). Off by default.
 
     **Groups.** :meth:`agenerate_group` (the interface is
     :class:`~trio_rollouts.inference.GeneratesGroups`) sends one request for ``n``
