@@ -2,7 +2,7 @@
 ``index_in_batch`` (invariant 8 of ``_pipeline.py``).
 
 Groups are reordered where they are taken, so ordering costs no task: the stream puts
-each group it pulls from the channel into :class:`BatchOrder`, and hands out only what
+each group it pulls from the buffer into :class:`BatchOrder`, and hands out only what
 the order has released.
 """
 

@@ -3,8 +3,8 @@
 ``open_grouped_rollouts(agent, request)`` is what
 :meth:`GroupedRolloutGenerator.get_grouped_rollouts` returns: an async context manager
 that runs a fixed set of worker tasks in a nursery and hands finished groups to a
-:class:`~trio_rollouts.RolloutStream` through a bounded memory channel. This module holds
-the life: the checks, the workers' loop (claim a slot, call ``group_rollout``, book the
+:class:`~trio_rollouts.RolloutStream` through a bounded buffer. This module holds the
+life: the checks, the workers' loop (claim a slot, call ``group_rollout``, book the
 outcome, hand the group over) and the shutdown. Each mechanism it drives is a small
 class in a module of its own that owns its state:
 
@@ -15,7 +15,9 @@ class in a module of its own that owns its state:
   in flight and why an update dropped one (:class:`DropReason`), and the deadlines
   (the fast path's watchdog, frozen while an update holds calls);
 - ``_draws.py``, :class:`DrawBook`: the prompt draws of accepted groups, settled once;
-- ``_order.py``, :class:`BatchOrder`: ``enforce_order``.
+- ``_order.py``, :class:`BatchOrder`: ``enforce_order``;
+- ``_handoff.py``, :class:`Handoff`: the buffer between the workers and the stream (a
+  memory channel cut to what the pipeline uses), and who waits on it.
 
 The stream (``_stream.py``) takes groups through :meth:`Pipeline.taken`, the update
 block (``_weight_update.py``) drives the gate and :meth:`Pipeline.advance_epoch`, and the
@@ -40,8 +42,8 @@ Invariants (each one names tests that check it; files under ``tests/``):
    last group: a stalled consumer stalls generation, nothing runs ahead.
    (``test_pipeline_properties.py``:
    ``test_calls_in_flight_outstanding_batches_and_buffer_stay_bounded``.)
-3. At most ``B`` finished groups wait in the channel's buffer; a worker holding a finished
-   group beyond that waits in ``send``. (The same property test.)
+3. At most ``B`` finished groups wait in the handoff's buffer; a worker holding a
+   finished group beyond that waits until a take makes room. (The same property test.)
 4. Filtering regenerates a group in its own slot, so ``batch_id`` and ``index_in_batch``
    are never reused or skipped. More than ``max_consecutive_filtered`` filtered groups in
    a row is an error, not an endless loop. (``test_pipeline.py``:
@@ -52,7 +54,7 @@ Invariants (each one names tests that check it; files under ``tests/``):
    failure. (``test_failure_groups.py``; ``test_pipeline.py``:
    ``test_an_exception_in_the_consumer_propagates_and_cancels_the_pipeline``.)
 6. Leaving the ``async with`` by any route cancels the workers first, then closes the
-   channels (synchronously, so closing cannot be interrupted); when ``__aexit__``
+   handoff (synchronously, so closing cannot be interrupted); when ``__aexit__``
    returns, no task the pipeline started is alive. (``test_pipeline.py``:
    ``test_no_call_starts_once_shutdown_has_begun`` and the exit tests.)
 7. The ledger: every started call ends delivered, filtered, retried, skipped, raised,
@@ -143,6 +145,7 @@ from typing import TYPE_CHECKING
 import attrs
 import stamina
 import trio
+from trio.lowlevel import wait_task_rescheduled
 
 from ._admission import Admission
 from ._concurrency import describe_error, flatten_exception_groups, real_leaves
@@ -150,13 +153,14 @@ from ._cuts import GroupCall, current_group_call
 from ._draws import Draw, DrawBook, current_draws, finish, give_back
 from ._failure import FailureBudgetExceededError, GroupTimeoutError
 from ._gate import DropReason, UpdateGate, call_start_epoch
+from ._handoff import Handoff
 from ._ledger import EnvironmentCounters, Ledger
 from ._metrics import MetricsBook
 from ._models import Cut, GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
 from ._models import checked_group as prechecked_group
 from ._order import BatchOrder
 from ._sampling import call_attempt, call_slot, check_sampling
-from ._slots import PARKED, SENT, Slots
+from ._slots import Slots
 from ._stream import RolloutStream, discard_untaken, open_stream
 from ._tracing import SampleSpans, traced
 from ._tracing import state as tracing
@@ -281,6 +285,7 @@ class Pipeline:
         "group_calls",
         "group_timeout",
         "groups_left_to_send",
+        "handoff",
         "ledger",
         "max_consecutive_filtered",
         "max_outstanding",
@@ -292,13 +297,11 @@ class Pipeline:
         "policy",
         "policy_is_trivial",
         "prompts",
-        "receive_channel",
         "request",
         "result_epoch",
         "run_seed",
         "same_reward_groups",
         "seeded",
-        "send_channel",
         "skipping",
         "slots",
         "spans",
@@ -326,19 +329,17 @@ class Pipeline:
         self.spans = None if tracer is None else SampleSpans(tracer)
         if self.spans is not None:
             self.generate = traced(hooks.generate, self.spans, self.current_epoch)
-        self.send_channel, self.receive_channel = trio.open_memory_channel[RolloutGroup](
-            agent.buffer_size
-        )
         self.closed = False
         workers = self.worker_count()
         # The mechanisms (see the module docstring).
         self.slots = Slots(request.num_groups, request.streaming)
+        self.handoff = Handoff(agent.buffer_size, self.slots.sender_woken)
         self.ledger = Ledger(hooks.env_of_slot)
         self.metrics = MetricsBook()
         self.gate = UpdateGate(workers, epoch, request.max_staleness)
         self.draws = DrawBook(hooks.draws_prompts)
         self.order = BatchOrder(request.num_groups) if request.enforce_order else None
-        # Non-streaming: the worker that sends the batch's last group closes the channel.
+        # Non-streaming: the worker that sends the batch's last group closes sending.
         self.groups_left_to_send = request.num_groups
         self.consecutive_filtered = 0
         # Whether a worker raised the pipeline's own error (see fail_once).
@@ -482,7 +483,7 @@ class Pipeline:
     def advance_epoch(self, epoch: int, *, stamped: bool) -> None:
         """A weight update's body returned: calls start under ``epoch`` from now on, and
         groups held for ordering that are now too old go back to their slots (groups in
-        the channel are checked when they are pulled)."""
+        the buffer are checked when they are pulled)."""
         gate = self.gate
         gate.advance(epoch, stamped)
         self.ledger.weight_updates += 1
@@ -537,9 +538,10 @@ class Pipeline:
         set_group = call_group.set
         admission = self.admission
         group_call = self.group_calls[number]
-        # How this worker last stopped waiting, for Slots.claim's books: PARKED or SENT
-        # (unparked, or woken from a full channel's send, to claim next), or 0.
-        woken = 0
+        handoff = self.handoff
+        # Whether this worker was woken to claim (unparked, or woken from the full
+        # buffer), for Slots.claim's books.
+        woken = False
         while True:
             if resume is not None:
                 batch_id, index, late = resume
@@ -565,12 +567,12 @@ class Pipeline:
                 # (this does not yield unless cancelled).
                 await trio.lowlevel.checkpoint_if_cancelled()
                 slot = slots.claim(woken)
-                woken = 0
+                woken = False
                 if slot is None:
                     if not self.park_when_idle:
                         return None
                     await slots.idle_workers.park()
-                    woken = PARKED
+                    woken = True
                     continue
                 batch_id, index = slot
                 if admission is not None and not admission.may_start(slot):
@@ -661,34 +663,26 @@ class Pipeline:
                         # chained to this one.
                         group = await self.after_failure(batch_id, index, failure, number)
                         del failure
-            # Hand the group over (invariant 3), without send's schedule point while the
-            # buffer may have room: a measurable share of the per-group cost in Trio. The
+            # Hand the group over (invariant 3), without a schedule point while the
+            # buffer has room: a measurable share of the per-group cost in Trio. The
             # loop still cannot spin: it claims only slots the consumer's takes
-            # submitted, and parks when there are none.
+            # submitted, and parks when there are none. A full buffer: wait inline
+            # until a take moves the group into it (see _handoff.py).
             ledger.pending += 1
-            if slots.blocked_senders > slots.woken_senders:
-                full = True  # senders already wait: the buffer has no room
-            else:
+            wait_for_room = handoff.put(group)
+            if wait_for_room is not None:
                 try:
-                    self.send_channel.send_nowait(group)
-                    full = False
-                except trio.WouldBlock:
-                    full = True
-            if full:
-                slots.sender_blocked()
-                try:
-                    await self.send_channel.send(group)
+                    await wait_task_rescheduled(wait_for_room)
                 except BaseException as exc:
-                    slots.sender_cancelled()
                     if isinstance(exc, trio.Cancelled):
                         ledger.pending -= 1
                         ledger.cancelled += 1  # a finished group nobody took
                     raise
-                woken = SENT  # booked by the next claim
+                woken = True  # booked by the next claim
             if not self.park_when_idle:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
-                    self.send_channel.close()
+                    handoff.close_sending()
 
     def oldest_batch(self) -> int:
         """With ``enforce_order`` (batches are taken whole, in order): the oldest batch
@@ -1146,7 +1140,7 @@ async def open_grouped_rollouts(
     pipeline.metrics.opened()
     stream = open_stream(pipeline)
     consumer_errors: list[BaseException] = []  # the body's own exception is not flattened
-    with flatten_exception_groups(consumer_errors), pipeline.send_channel, pipeline.receive_channel:
+    with flatten_exception_groups(consumer_errors), pipeline.handoff:
         try:
             async with trio.open_nursery() as nursery:
                 for _ in range(pipeline.max_outstanding if request.streaming else 1):
@@ -1161,7 +1155,7 @@ async def open_grouped_rollouts(
                     consumer_errors.append(exc)
                     raise
                 finally:
-                    # Invariant 6: cancel the producers before the channels close.
+                    # Invariant 6: cancel the producers before the handoff closes.
                     nursery.cancel_scope.cancel()
         finally:
             pipeline.closed = True

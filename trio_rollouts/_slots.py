@@ -7,8 +7,9 @@ streaming pipeline submits a new batch exactly when one stops being outstanding
 (invariant 2 of ``_pipeline.py``): a stalled consumer stalls generation.
 
 Waking a worker is the dominant per-group cost, so :class:`Slots` also keeps the books
-of who is coming to claim a free slot (workers just woken from a full channel's
-``send``, or already unparked), and wakes no one for a slot somebody will claim anyway.
+of who is coming to claim a free slot (workers unparked, or woken by a take from the
+full buffer they waited on: see ``_handoff.py``), and wakes no one for a slot somebody
+will claim anyway.
 """
 
 from __future__ import annotations
@@ -17,12 +18,7 @@ import collections
 
 import trio
 
-__all__ = ["PARKED", "SENT", "Slots"]
-
-#: How a worker that claims last stopped waiting (see :meth:`Slots.claim`): unparked
-#: from the idle workers, or woken from a full channel's ``send`` by a receive.
-PARKED = 1
-SENT = 2
+__all__ = ["Slots"]
 
 
 class Slots:
@@ -32,7 +28,6 @@ class Slots:
     """
 
     __slots__ = (
-        "blocked_senders",
         "coming_to_claim",
         "free",
         "idle_workers",
@@ -42,7 +37,6 @@ class Slots:
         "streaming",
         "taken_in_batch",
         "untaken_batches",
-        "woken_senders",
     )
 
     def __init__(self, num_groups: int, streaming: bool) -> None:
@@ -59,11 +53,8 @@ class Slots:
         # submits no batch, since the first did.
         self.untaken_batches: set[int] = set()
         # Wake-up accounting (see wake_workers): workers that are runnable and will look
-        # for a free slot before they next block, and the senders blocked on a full
-        # channel (woken_senders of them woken by a receive, not yet run).
+        # for a free slot before they next block.
         self.coming_to_claim = 0
-        self.blocked_senders = 0
-        self.woken_senders = 0
 
     # ---------------------------------------------------------------- submission
 
@@ -93,21 +84,17 @@ class Slots:
         if needed > 0:
             self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
 
-    def claim(self, woken: int) -> tuple[int, int] | None:
+    def claim(self, woken: bool) -> tuple[int, int] | None:
         """The next free slot for the calling worker, or ``None`` when there is none (it
-        then parks in :attr:`idle_workers`). ``woken`` says how the worker last stopped
-        waiting, so that it is no longer counted as coming: :data:`PARKED` (unparked to
-        claim), :data:`SENT` (its ``send`` into a full channel returned: see
-        :meth:`sender_blocked`), or 0.
+        then parks in :attr:`idle_workers`). ``woken``: whether the worker was woken to
+        claim since it last claimed (unparked, or woken from the full buffer: see
+        :meth:`sender_woken`), so that it is no longer counted as coming.
 
-        (The workers park and send inline, with these methods keeping the books around
-        the awaits: a coroutine layer of ours on those paths would cost on every
+        (The workers park and wait for room inline, with these methods keeping the books
+        around the awaits: a coroutine layer of ours on those paths would cost on every
         suspension and resumption, once per group.)"""
         if woken:
             self.coming_to_claim -= 1
-            if woken == SENT:
-                self.blocked_senders -= 1
-                self.woken_senders -= 1
         free = self.free
         if not free:
             return None
@@ -118,29 +105,12 @@ class Slots:
             self.coming_to_claim += len(self.idle_workers.unpark(count=needed))
         return slot
 
-    # ---------------------------------------------------------------- the channel
+    # ---------------------------------------------------------------- the buffer
 
-    def senders_blocked(self) -> bool:
-        """Whether senders already wait on the channel (its buffer has no room)."""
-        return self.blocked_senders > self.woken_senders
-
-    def channel_received(self) -> None:
-        """A receive from the channel: one from a full buffer wakes one worker blocked
-        in ``send``, and that worker will claim next."""
-        if self.blocked_senders > self.woken_senders:
-            self.woken_senders += 1
-            self.coming_to_claim += 1
-
-    def sender_blocked(self) -> None:
-        """A worker's ``send_nowait`` found the buffer full: it waits in ``send``. When
-        the send returns (woken by a receive, counted in :meth:`channel_received`), the
-        worker's next :meth:`claim` books it (``woken=SENT``); when it is cancelled,
-        :meth:`sender_cancelled`."""
-        self.blocked_senders += 1
-
-    def sender_cancelled(self) -> None:
-        """A worker blocked in ``send`` was cancelled (it will not claim)."""
-        self.blocked_senders -= 1
+    def sender_woken(self) -> None:
+        """A take from the full buffer woke a worker waiting with a group (see
+        ``Handoff.take``): it will claim next."""
+        self.coming_to_claim += 1
 
     # ---------------------------------------------------------------- takes
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ._gate import exceeds_bound
+from ._handoff import Handoff
 from ._ledger import RolloutStreamStatistics
 from ._models import RolloutGroup
 from ._order import BatchOrder
@@ -68,10 +69,10 @@ class RolloutStream:
     A stream cannot be created directly; it belongs to its pipeline.
     """
 
-    __slots__ = ("_channel", "_ends_by_count", "_order", "_pipeline")
+    __slots__ = ("_ends_by_count", "_handoff", "_order", "_pipeline")
 
     _pipeline: Pipeline
-    _channel: trio.MemoryReceiveChannel[RolloutGroup]
+    _handoff: Handoff
     _order: BatchOrder | None
     _ends_by_count: bool
 
@@ -84,12 +85,14 @@ class RolloutStream:
 
     # ---------------------------------------------------------------- pulling
 
-    def _pull_nowait(self) -> RolloutGroup:
+    def _pull_nowait(self) -> RolloutGroup | None:
+        """The next group ready, or ``None``."""
         p = self._pipeline
         if self._ends_by_count and not p.closed and p.ledger.delivered >= p.num_groups:
             raise trio.EndOfChannel
-        group = self._channel.receive_nowait()
-        p.slots.channel_received()
+        group = self._handoff.take()
+        if group is None:
+            return None
         gate = p.gate
         if gate.max_staleness is not None and gate.too_old(group.start_epoch):
             # Too old to hand over: its slot is generated again; look further.
@@ -101,25 +104,21 @@ class RolloutStream:
         # A cancellation point always; a schedule point only when it has to wait, so a
         # consumer takes a full buffer in one go instead of one task switch per group.
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            return self._pull_nowait()
-        except trio.WouldBlock:
-            pass
-        # Waiting means the buffer was empty: the group comes straight from a sender that
-        # never blocked, so no blocked sender is woken (no channel_received()).
+        group = self._pull_nowait()
+        if group is not None:
+            return group
         p = self._pipeline
         gate = p.gate
         waited = trio.current_time()
         try:
             while True:
-                group = await self._channel.receive()
+                group = await self._handoff.wait()
                 if gate.max_staleness is None or not gate.too_old(group.start_epoch):
                     return group
                 p.regenerate_stale(group)
-                try:
-                    return self._pull_nowait()
-                except trio.WouldBlock:
-                    pass
+                ready = self._pull_nowait()
+                if ready is not None:
+                    return ready
         finally:
             p.metrics.wait_seconds += trio.current_time() - waited
 
@@ -159,10 +158,14 @@ class RolloutStream:
         order = self._order
         try:
             if order is None:
-                return self._take(self._pull_nowait())
+                group = self._pull_nowait()
+                return None if group is None else self._take(group)
             while not order.ready:
-                order.hold(self._pull_nowait())
-        except (trio.WouldBlock, trio.EndOfChannel):
+                group = self._pull_nowait()
+                if group is None:
+                    return None
+                order.hold(group)
+        except trio.EndOfChannel:
             return None
         return self._take(order.ready.popleft())
 
@@ -270,7 +273,7 @@ class RolloutStream:
         """A snapshot of the pipeline's counters. Not a checkpoint."""
         p = self._pipeline
         return p.ledger.statistics(
-            buffered=self._channel.statistics().current_buffer_used,
+            buffered=len(self._handoff),
             reordering=0 if self._order is None else len(self._order),
             outstanding_batches=p.slots.outstanding,
             policy_epoch=p.gate.epoch,
@@ -281,14 +284,14 @@ class RolloutStream:
 
 
 def open_stream(pipeline: Pipeline) -> RolloutStream:
-    """The stream of ``pipeline`` (which owns the channel's receive side, the order and
-    the books the stream takes through)."""
+    """The stream of ``pipeline`` (which owns the handoff, the order and the books the
+    stream takes through)."""
     stream = object.__new__(RolloutStream)
     stream._pipeline = pipeline
-    stream._channel = pipeline.receive_channel
+    stream._handoff = pipeline.handoff
     stream._order = pipeline.order
     # A non-streaming stream whose workers outlive its batch (a staleness bound may send
-    # a slot back to them) ends when its groups are taken, not when the channel closes.
+    # a slot back to them) ends when its groups are taken, not when sending closes.
     stream._ends_by_count = pipeline.park_when_idle and not pipeline.streaming
     return stream
 
@@ -299,8 +302,9 @@ def discard_untaken(stream: RolloutStream) -> int:
     count = 0 if stream._order is None else stream._order.clear()
     while True:
         try:
-            stream._channel.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
+            if stream._handoff.take() is None:
+                return count
+        except trio.EndOfChannel:
             return count
         count += 1
 
