@@ -400,8 +400,8 @@ class Pipeline:
 
     # ---------------------------------------------------------------- the consumer's side
 
-    def taken(self, group: RolloutGroup) -> None:
-        """The stream handed ``group`` to the consumer (invariant 2)."""
+    def taken(self, group: RolloutGroup) -> RolloutGroup:
+        """The stream hands ``group`` to the consumer (invariant 2); returns it."""
         batch_id = group.batch_id
         ledger = self.ledger
         ledger.delivered += 1
@@ -420,6 +420,7 @@ class Pipeline:
             self.admission.wake()
         if self.same_reward_groups >= 0:
             self.watch_rewards(group)
+        return group
 
     def watch_rewards(self, group: RolloutGroup) -> None:
         """Warn early when the groups from the start all have one reward each: every

@@ -15,6 +15,7 @@ will claim anyway.
 from __future__ import annotations
 
 import collections
+import itertools
 
 import trio
 
@@ -64,7 +65,10 @@ class Slots:
         self.next_batch_id += 1
         self.outstanding += 1
         free = self.free
-        free.extend((batch_id, index) for index in range(self.num_groups))
+        if self.num_groups == 1:
+            free.append((batch_id, 0))
+        else:
+            free.extend(zip(itertools.repeat(batch_id), range(self.num_groups)))
         # wake_workers(), inline: a streaming pipeline submits a batch per batch taken.
         needed = len(free) - self.coming_to_claim
         if needed > 0:

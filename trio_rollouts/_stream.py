@@ -100,13 +100,8 @@ class RolloutStream:
             return self._pull_nowait()
         return group
 
-    async def _pull(self) -> RolloutGroup:
-        # A cancellation point always; a schedule point only when it has to wait, so a
-        # consumer takes a full buffer in one go instead of one task switch per group.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        group = self._pull_nowait()
-        if group is not None:
-            return group
+    async def _wait(self) -> RolloutGroup:
+        """The next group, when :meth:`_pull_nowait` found none ready."""
         p = self._pipeline
         gate = p.gate
         waited = trio.current_time()
@@ -122,10 +117,6 @@ class RolloutStream:
         finally:
             p.metrics.wait_seconds += trio.current_time() - waited
 
-    def _take(self, group: RolloutGroup) -> RolloutGroup:
-        self._pipeline.taken(group)
-        return group
-
     # ---------------------------------------------------------------- receiving
 
     async def receive(self) -> RolloutGroup:
@@ -139,13 +130,40 @@ class RolloutStream:
         group). If it is cancelled, no group is lost: a group that was not returned stays
         in the stream for the next call.
         """
+        # A cancellation point always; a schedule point only when it has to wait, so a
+        # consumer takes a full buffer in one go instead of one task switch per group.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        group = self._take_ready()
+        return group if group is not None else await self._take_waiting()
+
+    def _take_ready(self) -> RolloutGroup | None:
+        """Take the next group if one is ready now, or return ``None``; raises as
+        :meth:`receive` does. Not a checkpoint."""
         order = self._order
         if order is None:
-            return self._take(await self._pull())
-        await trio.lowlevel.checkpoint_if_cancelled()
+            group = self._pull_nowait()
+            return None if group is None else self._pipeline.taken(group)
         while not order.ready:
-            order.hold(await self._pull())
-        return self._take(order.ready.popleft())
+            group = self._pull_nowait()
+            if group is None:
+                return None
+            order.hold(group)
+        return self._pipeline.taken(order.ready.popleft())
+
+    async def _take_waiting(self) -> RolloutGroup:
+        """Take the next group when none was ready: wait for it."""
+        order = self._order
+        if order is None:
+            return self._pipeline.taken(await self._wait())
+        while True:
+            order.hold(await self._wait())
+            if order.ready:
+                return self._pipeline.taken(order.ready.popleft())
+            # The wait yielded: a cancellation point again before pulling on.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            group = self._take_ready()
+            if group is not None:
+                return group
 
     def try_next(self) -> RolloutGroup | None:
         """Take a group that is ready now, or return ``None`` at once.
@@ -155,19 +173,10 @@ class RolloutStream:
         runs on. Raises ``trio.ClosedResourceError`` after the ``async with`` has exited.
         Not a checkpoint.
         """
-        order = self._order
         try:
-            if order is None:
-                group = self._pull_nowait()
-                return None if group is None else self._take(group)
-            while not order.ready:
-                group = self._pull_nowait()
-                if group is None:
-                    return None
-                order.hold(group)
+            return self._take_ready()
         except trio.EndOfChannel:
             return None
-        return self._take(order.ready.popleft())
 
     def drain(self, n: int) -> list[RolloutGroup]:
         """Take up to ``n`` groups that are ready now; never blocks (see :meth:`try_next`).
@@ -184,8 +193,11 @@ class RolloutStream:
 
         Cancellation: as :meth:`receive`.
         """
+        # receive(), inline: a coroutine layer less per group.
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            return await self.receive()
+            group = self._take_ready()
+            return group if group is not None else await self._take_waiting()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
 
