@@ -540,6 +540,14 @@ class Pipeline:
         admission = self.admission
         group_call = self.group_calls[number]
         handoff = self.handoff
+        fast = self.fast
+        generate = self.generate
+        park_when_idle = self.park_when_idle
+        checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+        # The call_start_epoch this worker's context holds from its last fast-path call:
+        # set again only when the epoch moved (epochs only grow, so a value the slow
+        # path set in between differs from the epoch too). A ContextVar.set allocates.
+        epoch_set: int | None = None
         # Whether this worker was woken to claim (unparked, or woken from the full
         # buffer), for Slots.claim's books.
         woken = False
@@ -566,11 +574,11 @@ class Pipeline:
             else:
                 # A worker released from send during shutdown must not start a new call
                 # (this does not yield unless cancelled).
-                await trio.lowlevel.checkpoint_if_cancelled()
+                await checkpoint_if_cancelled()
                 slot = slots.claim(woken)
                 woken = False
                 if slot is None:
-                    if not self.park_when_idle:
+                    if not park_when_idle:
                         return None
                     await slots.idle_workers.park()
                     woken = True
@@ -578,7 +586,7 @@ class Pipeline:
                 batch_id, index = slot
                 if admission is not None and not admission.may_start(slot):
                     await self.admit(slot)
-                if not self.fast:
+                if not fast:
                     group = await self.accepted_group(batch_id, index, number)
                 else:
                     # The common case (no filtering, one environment, no prompt source):
@@ -595,7 +603,9 @@ class Pipeline:
                     if admission is not None:
                         admission.wake()  # the next waiting slot, if there is room
                     epoch = call_epoch[number] = gate.epoch
-                    set_start_epoch(epoch)
+                    if epoch != epoch_set:
+                        set_start_epoch(epoch)
+                        epoch_set = epoch
                     set_group((run_seed, batch_id, index))
                     if group_call.cuts:
                         group_call.cuts.clear()  # booked; a call that failed kept them
@@ -605,7 +615,7 @@ class Pipeline:
                         gate.start_clock(number)
                     failure: BaseException | None = None
                     try:
-                        result = await self.generate(batch_id, index)
+                        result = await generate(batch_id, index)
                     except BaseException as exc:
                         ledger.in_flight -= 1
                         call_epoch[number] = None
@@ -680,7 +690,7 @@ class Pipeline:
                         ledger.cancelled += 1  # a finished group nobody took
                     raise
                 woken = True  # booked by the next claim
-            if not self.park_when_idle:
+            if not park_when_idle:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
                     handoff.close_sending()
