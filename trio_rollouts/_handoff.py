@@ -103,6 +103,18 @@ class Handoff:
 
         return abort
 
+    def release_senders(self) -> int:
+        """At shutdown: wake every waiting worker without taking its group (the caller
+        books those groups); return how many there were."""
+        released = self.senders_waiting
+        senders = self.senders
+        while senders:
+            task = senders.popleft()[0]
+            if task is not None:
+                reschedule(task)  # type: ignore[arg-type]
+        self.senders_waiting = 0
+        return released
+
     def close_sending(self) -> None:
         """No group will be put any more: waiting consumers, and takes from an empty
         buffer from now on, get ``trio.EndOfChannel``."""

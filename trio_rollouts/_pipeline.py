@@ -53,9 +53,10 @@ Invariants (each one names tests that check it; files under ``tests/``):
    the consumer's body; it leaves the ``async with`` as itself when it is the only
    failure. (``test_failure_groups.py``; ``test_pipeline.py``:
    ``test_an_exception_in_the_consumer_propagates_and_cancels_the_pipeline``.)
-6. Leaving the ``async with`` by any route cancels the workers first, then closes the
-   handoff (synchronously, so closing cannot be interrupted); when ``__aexit__``
-   returns, no task the pipeline started is alive. (``test_pipeline.py``:
+6. Leaving the ``async with`` by any route stops the workers first (those waiting with a
+   group or parked are woken to return, the others cancelled), then closes the handoff
+   (synchronously, so closing cannot be interrupted); when ``__aexit__`` returns, no
+   task the pipeline started is alive. (``test_pipeline.py``:
    ``test_no_call_starts_once_shutdown_has_begun`` and the exit tests.)
 7. The ledger: every started call ends delivered, filtered, retried, skipped, raised,
    cancelled, restarted or stale, or is still in flight, waiting to be retried, or
@@ -286,6 +287,7 @@ class Pipeline:
         "group_timeout",
         "groups_left_to_send",
         "handoff",
+        "leaving",
         "ledger",
         "max_consecutive_filtered",
         "max_outstanding",
@@ -330,6 +332,8 @@ class Pipeline:
         if self.spans is not None:
             self.generate = traced(hooks.generate, self.spans, self.current_epoch)
         self.closed = False
+        # Whether the pipeline is shutting down (see release_workers).
+        self.leaving = False
         workers = self.worker_count()
         # The mechanisms (see the module docstring).
         self.slots = Slots(request.num_groups, request.streaming)
@@ -572,8 +576,10 @@ class Pipeline:
                     self.call_raised(late, None)
                     group = await self.after_failure(batch_id, index, late, number)
             else:
-                # A worker released from send during shutdown must not start a new call
-                # (this does not yield unless cancelled).
+                if woken and self.leaving:
+                    return None  # woken at shutdown (see release_workers)
+                # A worker woken from a full buffer during shutdown must not start a new
+                # call (this does not yield unless cancelled).
                 await checkpoint_if_cancelled()
                 slot = slots.claim(woken)
                 woken = False
@@ -694,6 +700,18 @@ class Pipeline:
                 self.groups_left_to_send -= 1
                 if self.groups_left_to_send == 0:
                     handoff.close_sending()
+
+    def release_workers(self) -> None:
+        """At shutdown, before the workers are cancelled: wake those waiting with a group
+        or parked, to return without starting a call; the groups they held end as
+        cancelled (invariant 7). A worker cancelled instead would cost several times as
+        much (a Cancelled raised through its frames and collected by the nursery): about
+        10 ms for 512 workers, 5% of s1's timed run."""
+        self.leaving = True
+        released = self.handoff.release_senders()
+        self.ledger.pending -= released
+        self.ledger.cancelled += released
+        self.slots.idle_workers.unpark_all()
 
     def oldest_batch(self) -> int:
         """With ``enforce_order`` (batches are taken whole, in order): the oldest batch
@@ -1171,7 +1189,8 @@ async def open_grouped_rollouts(
                     consumer_errors.append(exc)
                     raise
                 finally:
-                    # Invariant 6: cancel the producers before the handoff closes.
+                    # Invariant 6: stop the producers before the handoff closes.
+                    pipeline.release_workers()
                     nursery.cancel_scope.cancel()
         finally:
             pipeline.closed = True
