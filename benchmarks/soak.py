@@ -26,6 +26,7 @@ import argparse
 import random
 import resource
 import time
+from typing import Any
 
 import attrs
 import stamina
@@ -111,14 +112,7 @@ async def soak_rewards(groups: int, seed: int, hang_rate: float) -> None:
         hang_rate=hang_rate,
         parallel_generation_tasks=16,
         buffer_size=16,
-        failure_policy=tr.FailurePolicy(
-            max_attempts=3,
-            wait_initial=0.0,
-            wait_max=0.0,
-            wait_jitter=0.0,
-            on_failure="skip",
-            skip_budget=groups,
-        ),
+        failure_policy=skipping_policy(groups),
     )
     request = tr.GroupedRolloutRequest(
         num_groups=4,
@@ -157,16 +151,37 @@ async def soak_rewards(groups: int, seed: int, hang_rate: float) -> None:
         f"{stats.retries:,}, skipped {stats.skipped:,}, cancelled at exit {stats.cancelled:,}, "
         f"unaccounted {stats.unaccounted}"
     )
-    print(
-        f"RSS after {warm:,} groups: {rss_start:,} KiB; at the end: {rss_end:,} KiB "
-        f"({rss_end - rss_start:+,} KiB)"
-    )
+    report_end(stats, warm, rss_start, rss_end)
     lag_p99.sort()
     if lag_p99:
         print(
             f"event loop lag p99 per 2,000-group interval: median "
             f"{lag_p99[len(lag_p99) // 2]:.1f} ms, worst {lag_p99[-1]:.1f} ms"
         )
+    check_ledger(stats)
+
+
+def skipping_policy(groups: int, **options: Any) -> tr.FailurePolicy:
+    """3 attempts without backoff, then skip (as many skips as groups)."""
+    return tr.FailurePolicy(
+        max_attempts=3,
+        wait_initial=0.0,
+        wait_max=0.0,
+        wait_jitter=0.0,
+        on_failure="skip",
+        skip_budget=groups,
+        **options,
+    )
+
+
+def report_end(stats: tr.RolloutStreamStatistics, warm: int, rss_start: int, rss_end: int) -> None:
+    print(
+        f"RSS after {warm:,} groups: {rss_start:,} KiB; at the end: {rss_end:,} KiB "
+        f"({rss_end - rss_start:+,} KiB)"
+    )
+
+
+def check_ledger(stats: tr.RolloutStreamStatistics) -> None:
     if stats.unaccounted != 0:
         msg = f"the ledger does not add up: {stats}"
         raise SystemExit(msg)
@@ -186,15 +201,8 @@ async def soak(groups: int, seed: int) -> None:
         rng=rng,
         parallel_generation_tasks=64,
         buffer_size=16,
-        failure_policy=tr.FailurePolicy(
-            group_timeout=0.01,
-            max_attempts=3,
-            retry_on=(Transient, tr.GroupTimeoutError),
-            wait_initial=0.0,
-            wait_max=0.0,
-            wait_jitter=0.0,
-            on_failure="skip",
-            skip_budget=groups,
+        failure_policy=skipping_policy(
+            groups, group_timeout=0.01, retry_on=(Transient, tr.GroupTimeoutError)
         ),
     )
     request = tr.GroupedRolloutRequest(
@@ -226,13 +234,8 @@ async def soak(groups: int, seed: int) -> None:
         f"skipped {stats.skipped:,}, filtered {stats.filtered:,}, cancelled at exit "
         f"{stats.cancelled:,}, unaccounted {stats.unaccounted}"
     )
-    print(
-        f"RSS after {warm:,} groups: {rss_start:,} KiB; at the end: {rss_end:,} KiB "
-        f"({rss_end - rss_start:+,} KiB)"
-    )
-    if stats.unaccounted != 0:
-        msg = f"the ledger does not add up: {stats}"
-        raise SystemExit(msg)
+    report_end(stats, warm, rss_start, rss_end)
+    check_ledger(stats)
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ import trio
 from ._concurrency import flatten_exception_groups
 from ._gate import call_start_epoch
 from ._models import Cut
+from .inference import Pausable
 from .inference._placement import CallProgress, call_progress
 
 if TYPE_CHECKING:
@@ -140,8 +141,6 @@ async def run_members(
     size: int,
     extra: int,
     member: Callable[[int], Awaitable[T]],
-    *,
-    cuttable: bool = True,
 ) -> list[tuple[int, T]]:
     """Run ``size + extra`` members of one group concurrently; return the first ``size``
     to finish as ``(draw, result)`` pairs in member order.
@@ -149,9 +148,9 @@ async def run_members(
     ``member(draw)`` runs one member: ``draw`` is ``0 .. size + extra - 1`` for the first
     members and counts on from there for members generated again after a cut (an agent
     derives its seed and episode number from it). The members not kept are cut
-    (:class:`Cut`, booked on the worker's :class:`GroupCall`). With ``cuttable`` and a
-    staleness bound, the members still running at the pipeline's cut signal are cut and
-    started again, under the new epoch, in member order.
+    (:class:`Cut`, booked on the worker's :class:`GroupCall`). In a pipeline, the members
+    still running at its cut signal (the staleness bound) are cut and started again,
+    under the new epoch, in member order.
 
     The first failure (not a cut) cancels the other members and propagates as itself.
 
@@ -178,21 +177,17 @@ async def run_members(
         call_progress.set(attempt.progress)
         if attempt.epoch != first_epoch:
             call_start_epoch.set(attempt.epoch)
-        result: T | None = None
-        returned = False
         with attempt.scope:
             result = await member(attempt.draw)
-            returned = True
+        # Only cut_all cancels the scope, and it marks the attempt cut first.
         if attempt.cut_at is not None:
             generated = attempt.progress.total()
             elapsed = attempt.cut_at - attempt.started
             if call is not None:
                 call.book(Cut(generated, elapsed, attempt.epoch))
             return
-        if not returned:  # pragma: no cover - only this function cancels the scope
-            return
         del running[position]
-        kept[position] = (attempt.draw, attempt.epoch, result)  # type: ignore[assignment]
+        kept[position] = (attempt.draw, attempt.epoch, result)
         if len(kept) == size:
             cut_all()
             watching.cancel()
@@ -215,31 +210,29 @@ async def run_members(
         return positions
 
     async def watch_for_cuts(group_call: GroupCall) -> None:
+        """Until enough members are kept (``watching``): at each cut signal, cut the
+        members running and start them again under the signal's epoch."""
         nonlocal next_draw
-        while True:
-            event = group_call.watch()
-            try:
-                await event.wait()
-            finally:
-                group_call.unwatch(event)
-            epoch = group_call.cut_epoch
-            for position in cut_all():
-                await launch(position, next_draw, epoch)
-                next_draw += 1
-            group_call.started_again(min([epoch, *(e for _, e, _ in kept.values())]))
+        with watching:
+            while True:
+                event = group_call.watch()
+                try:
+                    await event.wait()
+                finally:
+                    group_call.unwatch(event)
+                epoch = group_call.cut_epoch
+                for position in cut_all():
+                    await launch(position, next_draw, epoch)
+                    next_draw += 1
+                group_call.started_again(min([epoch, *(e for _, e, _ in kept.values())]))
 
     watching = trio.CancelScope()
     with flatten_exception_groups():
         async with trio.open_nursery() as nursery:
             for position in range(total):
                 await launch(position, position, first_epoch)
-            if cuttable and call is not None:
-
-                async def watcher() -> None:
-                    with watching:
-                        await watch_for_cuts(call)
-
-                nursery.start_soon(watcher)
+            if call is not None:
+                nursery.start_soon(watch_for_cuts, call)
     return [(draw, result) for _, (draw, _, result) in sorted(kept.items())]
 
 
@@ -249,5 +242,4 @@ def cuts_possible(max_staleness: int | None, interface: object) -> bool:
     ``abort``), the only updates that leave calls in flight."""
     if max_staleness is None or current_group_call.get() is None:
         return False
-    modes = getattr(interface, "supported_modes", None)
-    return isinstance(modes, frozenset | set) and bool({"keep", "abort"} & modes)
+    return isinstance(interface, Pausable) and bool({"keep", "abort"} & interface.supported_modes)
