@@ -12,6 +12,7 @@ happen (run-ahead), it waits for the expected state and then a short settling ti
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -22,6 +23,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.testing
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -125,6 +127,20 @@ class Hanging(tr.GroupedRolloutGenerator):
     """Every call waits forever (until cancelled)."""
 
     async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list:  # type: ignore[type-arg]
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@attrs.define
+class FailsFirst(tr.GroupedRolloutGenerator):
+    """The first call raises Boom; the others wait forever: no group is ever made."""
+
+    calls: int = attrs.field(default=0, kw_only=True)
+
+    async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list:  # type: ignore[type-arg]
+        self.calls += 1
+        if self.calls == 1:
+            raise Boom("the first call")
         await trio.sleep_forever()
         raise AssertionError("unreachable")
 
@@ -388,32 +404,254 @@ async def test_an_actor_that_ignores_cancellation_is_killed_after_stop_timeout()
 
 
 # ------------------------------------------------------------------------ the sync twin
+#
+# The blocking stream is driven from the test's own thread, which runs no Trio (a sync
+# test): a Trio call on any of its paths would raise "must be called from async context"
+# here. Each entry point has a test: open, take, get, try_next, drain, iteration,
+# statistics, fetch_statistics, metrics, weight_update (below, with the weight updates),
+# leaving the block, and errors raised in the caller's thread.
+
+#: The name of the blocking stream's Trio thread.
+TRIO_THREAD = "trio_rollouts:ray"
 
 
-def test_blocking_twin_takes_gets_drains_and_iterates() -> None:
+def trio_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == TRIO_THREAD]
+
+
+def assert_outside_trio() -> None:
+    with pytest.raises(RuntimeError, match="must be called from async context"):
+        trio.current_time()
+
+
+def wait_prefetched(stream: object, n: int) -> None:
+    """Wait until ``n`` groups wait in the merge (the merge counts them exactly)."""
+    deadline = time.monotonic() + WAIT
+    while stream.statistics().prefetched < n:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, f"{n} groups never reached the merge"
+        time.sleep(0.01)
+
+
+def counting_then_hanging(i: int) -> tr.GroupedRolloutGenerator:
+    """Actor 0 makes its groups; actor 1's calls never end."""
+    return tagged(i) if i == 0 else hanging()
+
+
+def test_blocking_twin_opens_outside_trio_and_leaving_releases_everything() -> None:
+    assert_outside_trio()
+    context = blocking_ray_rollouts(tagged, request(), num_actors=2)
+    assert trio_threads() == []  # checked and built, nothing started yet
+    with context as stream:
+        assert_outside_trio()
+        # __enter__ returned once every actor had started.
+        infos = stream.actor_info
+        assert [info.index for info in infos if info is not None] == [0, 1]
+        assert len({info.pid for info in infos if info is not None}) == 2
+        assert len(stream.actors) == 2
+        assert len(trio_threads()) == 1
+        assert stream.policy_epoch == 0
+        stream.take(1, timeout=WAIT)
+        actors = stream.actors
+    assert trio_threads() == []  # joined
+    assert_released(actors)
+    assert stream.policy_epoch == 0  # readable after the block
+    with pytest.raises(RuntimeError, match="inside its 'with"):
+        stream.take(1)
+    with pytest.raises(RuntimeError, match="inside its 'with"):
+        stream.statistics()
+
+
+def test_blocking_twin_open_errors_are_raised_in_the_callers_thread() -> None:
+    # Checked at once, before any actor or thread starts.
+    with pytest.raises(ValueError, match=r"parallel_generation_tasks \(1\) must be >= num_groups"):
+        blocking_ray_rollouts(Counting(parallel_generation_tasks=1), request(), num_actors=2)
+    with pytest.raises(ValueError, match="max_concurrency must be >= 7"):
+        blocking_ray_rollouts(
+            Counting(), request(), num_actors=1, actor_options={"max_concurrency": 1}
+        )
+
+    def bad_request(i: int) -> tr.GroupedRolloutRequest:
+        return request(num_groups=8)  # more groups than Counting's 4 tasks
+
+    # Checked in the actor, raised from __enter__ as itself.
+    with (
+        pytest.raises(ValueError, match="parallel_generation_tasks") as info,
+        blocking_ray_rollouts(tagged, bad_request, num_actors=1),
+    ):
+        pytest.fail("the block ran")
+    assert "rollout actor 0 of 1" in info.value.__notes__[0]
+    with (
+        pytest.raises(TimeoutError, match=r"rollout actors \[0\] did not start"),
+        blocking_ray_rollouts(
+            Counting(), request(), num_actors=1, actor_options={"num_cpus": 3}, start_timeout=1
+        ),
+    ):
+        pytest.fail("the block ran")
+    assert trio_threads() == []
+
+
+def test_blocking_twin_take_waits_for_n_groups_in_order() -> None:
+    with blocking_ray_rollouts(tagged, request(enforce_order=True), num_actors=2) as stream:
+        groups = stream.take(5, timeout=WAIT)
+        groups += stream.take(3)  # no timeout
+        assert stream.take(0) == []
+        with pytest.raises(ValueError, match="take"):
+            stream.take(-1)
+        with pytest.raises(ValueError, match="timeout"):
+            stream.take(1, timeout=-1)
+    assert [(g.batch_id, g.index_in_batch) for g in groups] == [
+        (b, i) for b in range(4) for i in range(2)
+    ]
+    assert [g[0].env_id for g in groups] == [f"actor{g.batch_id % 2}" for g in groups]
+
+
+def test_blocking_twin_take_that_times_out_keeps_its_groups_for_the_next_call() -> None:
+    with blocking_ray_rollouts(
+        counting_then_hanging, request(streaming=False), num_actors=2
+    ) as stream:
+        wait_prefetched(stream, 2)  # actor 0's batch; actor 1 never makes one
+        with pytest.raises(TimeoutError, match="only 2 of 3 rollout groups arrived within"):
+            stream.take(3, timeout=0.2)
+        assert stream.statistics().prefetched == 0  # the take kept them
+        kept = stream.take(2, timeout=0)  # returned first, at once
+        assert sorted((g.batch_id, g.index_in_batch) for g in kept) == [(0, 0), (0, 1)]
+        assert stream.statistics().delivered == 2
+
+
+def test_blocking_twin_get_try_next_and_drain_take_what_is_ready() -> None:
+    with blocking_ray_rollouts(
+        counting_then_hanging, request(streaming=False), num_actors=2
+    ) as stream:
+        wait_prefetched(stream, 2)
+        # None of these waits for actor 1, which never makes a group.
+        first = stream.drain(1)
+        second = stream.try_next()
+        assert stream.try_next() is None
+        assert stream.drain(3) == []
+        with pytest.raises(TimeoutError, match=r"no rollout group arrived within 0\.2 s"):
+            stream.get(timeout=0.2)
+        with pytest.raises(ValueError, match="drain"):
+            stream.drain(-1)
+        stats = stream.statistics()
+    assert second is not None
+    assert sorted((g.batch_id, g.index_in_batch) for g in [*first, second]) == [(0, 0), (0, 1)]
+    assert (stats.delivered, stats.prefetched) == (2, 0)
+    assert [s.delivered for s in stats.per_actor] == [2, 0]
+
+
+def test_blocking_twin_iterates_and_gets_until_every_actors_batch_is_taken() -> None:
     with blocking_ray_rollouts(
         tagged, request(num_groups=3, streaming=False, enforce_order=True), num_actors=2
     ) as stream:
-        groups = stream.take(2, timeout=WAIT)
-        groups.append(stream.get(timeout=WAIT))
+        groups = [stream.get(timeout=WAIT)]
         groups += list(stream)
+        assert list(stream) == []
+        with pytest.raises(trio.EndOfChannel):
+            stream.get(timeout=WAIT)
         assert stream.try_next() is None
         assert stream.drain(3) == []
-        stats = stream.statistics()
-        actors = stream.actors
+        assert stream.take(2, timeout=WAIT) == []  # the stream ended
     assert [(g.batch_id, g.index_in_batch) for g in groups] == [
         (b, i) for b in range(2) for i in range(3)
     ]
-    assert (stats.delivered, len(stats.per_actor)) == (6, 2)
+
+
+def test_blocking_twin_statistics_are_the_merged_counters() -> None:
+    with blocking_ray_rollouts(tagged, request(enforce_order=True), num_actors=2) as stream:
+        stream.take(4, timeout=WAIT)
+        stats = stream.statistics()
+        assert isinstance(stats, RayRolloutStreamStatistics)
+        assert [s.delivered for s in stats.per_actor] == [2, 2]
+        assert (stats.delivered, stats.unaccounted) == (4, 0)
+        fetched = stream.fetch_statistics(timeout=WAIT)  # asks every actor now
+        assert isinstance(fetched, RayRolloutStreamStatistics)
+        assert fetched.delivered == 4
+        assert fetched.started == sum(s.started for s in fetched.per_actor) >= 4
+        assert fetched.unaccounted == 0
+        with pytest.raises(ValueError, match="timeout"):
+            stream.fetch_statistics(timeout=-1)
+
+
+def test_blocking_twin_metrics_are_deltas_since_the_open_and_the_last_call() -> None:
+    entered = time.monotonic()
+    with blocking_ray_rollouts(tagged, request(enforce_order=True), num_actors=2) as stream:
+        stream.take(4, timeout=WAIT)
+        asked = time.monotonic()
+        first = stream.metrics()
+        first_bound = time.monotonic() - entered
+        stream.take(2, timeout=WAIT)
+        second = stream.metrics()
+        second_bound = time.monotonic() - asked
+    # The first interval starts when the stream opened, not before; the second one when
+    # the first call was made.
+    assert 0 < first["rollout/interval_s"] <= first_bound
+    assert 0 < second["rollout/interval_s"] <= second_bound
+    assert (first["rollout/groups_delivered"], second["rollout/groups_delivered"]) == (4, 2)
+    assert first["rollout/policy_epoch"] == second["rollout/policy_epoch"] == 0
+    assert not any(key.startswith("loop/") for key in first)  # the first call starts the probe
+    for value in [*first.values(), *second.values()]:
+        assert isinstance(value, float)
+        assert math.isfinite(value)
+    with pytest.raises(RuntimeError, match="inside its 'with"):
+        stream.metrics()
+
+
+def test_blocking_twin_raises_an_actor_exception_in_the_callers_thread_once() -> None:
+    with blocking_ray_rollouts(FailsFirst(), request(), num_actors=1) as stream:
+        with pytest.raises(Boom, match="the first call") as info:
+            stream.take(100, timeout=WAIT)
+        assert type(info.value) is Boom
+        assert "raised in rollout actor 0 of 1" in info.value.__notes__[0]
+        with pytest.raises(RuntimeError, match="stopped after an error"):
+            stream.take(1)
+        actors = stream.actors
+    # Raised once: the exit does not raise it again.
     assert_released(actors)
 
 
-def test_blocking_twin_raises_an_actor_exception_in_the_callers_thread() -> None:
+def test_blocking_twin_raises_an_actor_exception_at_the_exit_at_the_latest() -> None:
     with (
-        pytest.raises(Boom, match="call 2"),
-        blocking_ray_rollouts(Counting(fail_at=2), request(), num_actors=1) as stream,
+        pytest.raises(Boom, match="the first call"),
+        blocking_ray_rollouts(FailsFirst(), request(), num_actors=1),
     ):
-        stream.take(100, timeout=WAIT)
+        (thread,) = trio_threads()
+        thread.join(WAIT)  # the failure ends the Trio thread; no call is made
+        assert not thread.is_alive()
+    assert trio_threads() == []
+
+
+def test_blocking_twin_raises_an_actor_death_in_the_callers_thread() -> None:
+    with blocking_ray_rollouts(tagged, request(enforce_order=True), num_actors=2) as stream:
+        stream.take(2, timeout=WAIT)
+        ray.kill(stream.actors[1])
+        # The round-robin needs actor 1's next batch: the take sees its death.
+        with pytest.raises(RolloutActorDiedError, match="rollout actor 1 of 2") as info:
+            stream.take(100, timeout=WAIT)
+        actors = stream.actors
+    assert info.value.actor_index == 1
+    assert_released(actors)
+
+
+def test_an_async_stream_built_outside_trio_times_its_metrics_and_stops_its_probe() -> None:
+    assert_outside_trio()
+    context = open_ray_rollouts(tagged, request(), num_actors=1)  # no Trio call here
+
+    async def use() -> None:
+        entered = trio.current_time()
+        async with context as stream:
+            await stream.receive()
+            first = stream.metrics()
+            assert 0 < first["rollout/interval_s"] <= trio.current_time() - entered
+            assert first["rollout/groups_delivered"] == 1
+            await trio.sleep(0.2)  # the loop-lag probe samples meanwhile (every 50 ms)
+        last = stream.metrics()  # after the async with: the last interval
+        await trio.sleep(0.2)
+        await trio.testing.wait_all_tasks_blocked()  # a probe still running has sampled
+        after = stream.metrics()
+        assert "loop/lag_p50_ms" in last
+        assert "loop/lag_p50_ms" not in after  # the probe stopped with the stream
+
+    trio.run(use)
 
 
 # ------------------------------------------------------------------------ weight updates
@@ -610,10 +848,19 @@ async def test_an_actor_that_dies_in_an_update_is_an_error_naming_it(when: str) 
 def test_blocking_twin_weight_update() -> None:
     with blocking_ray_rollouts(stamping, embedded_request, num_actors=2) as stream:
         stream.take(2, timeout=WAIT)
+        wait_prefetched(stream, 4)  # a batch of each actor waits in the merge
         with stream.weight_update("keep") as update:
-            assert update.epoch == 1
+            assert (update.epoch, update.mode) == (1, "keep")
             assert stream.policy_epoch == 0
+            # Groups already in the merge can be taken during the body.
+            assert len(stream.drain(4)) == 4
+            with pytest.raises(RuntimeError, match="already in progress"), stream.weight_update():
+                pytest.fail("the body ran")
         assert stream.policy_epoch == 1
+        with pytest.raises(ValueError, match="mode must be one of"):
+            stream.weight_update("pause").__enter__()  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"policy_epoch \(1\), got 1"):
+            stream.weight_update(epoch=1).__enter__()
         with pytest.raises(Boom), stream.weight_update("drain"):
             raise Boom
         assert stream.policy_epoch == 1
@@ -628,6 +875,20 @@ def test_blocking_twin_weight_update() -> None:
         assert (stats.policy_epoch, stats.weight_updates) == (1, 1)
         assert [s.policy_epoch for s in stats.per_actor] == [1, 1]
     assert stream.policy_epoch == 1
+
+
+def test_leaving_the_blocking_twin_ends_an_open_weight_update_under_the_old_epoch() -> None:
+    with blocking_ray_rollouts(stamping, embedded_request, num_actors=2) as stream:
+        stream.take(2, timeout=WAIT)
+        update = stream.weight_update("keep")
+        assert update.__enter__().epoch == 1
+        actors = stream.actors
+    # The block's exit ended the update under the old epoch, then stopped the actors.
+    assert trio_threads() == []
+    assert_released(actors)
+    with pytest.raises(RuntimeError, match="the stream closed while the weight update was open"):
+        update.__exit__(None, None, None)
+    assert stream.policy_epoch == 0
 
 
 def test_an_actor_gives_up_a_begin_its_end_overtook_and_refuses_it_later() -> None:

@@ -686,7 +686,10 @@ class RayRolloutStream:
         the merged counters of :meth:`statistics` (as of each actor's latest reply):
         the deltas, the gauges, the loop's lag and the process's RSS of this (the
         trainer's) process; no staleness percentiles or waits, which the actors keep.
-        Not a checkpoint."""
+        The first call's interval starts when the stream opened (every actor had
+        started); the loop-lag probe the first call starts stops when the stream closes.
+        Not a checkpoint. Works after the ``async with`` has exited too (the last
+        interval)."""
         return self._metrics.report(self.statistics(), None)
 
     # ---------------------------------------------------------------- prompts
@@ -976,7 +979,11 @@ def new_merged_stream(
     stop_timeout: float,
     prompts_states: list[dict[str, Any]] | None = None,
 ) -> RayRolloutStream:
-    """A merged stream, not opened yet (:func:`open_merged` runs it); arguments checked."""
+    """A merged stream, not opened yet (:func:`open_merged` runs it); arguments checked.
+
+    Any thread, and no Trio call: the sync twin builds it in its caller's thread, and an
+    ``open_ray_rollouts(...)`` may be made outside ``trio.run``. What needs Trio's run
+    (the metrics' first interval) starts in :func:`open_merged`."""
     self = object.__new__(RayRolloutStream)
     self._agent_source = agent
     self._request_source = request
@@ -1003,8 +1010,7 @@ def new_merged_stream(
     self._cancel_scope = None
     self._policy_epoch = 0  # the actors' greatest, once they have started
     self._weight_updates = 0
-    self._metrics = MetricsBook()
-    self._metrics.opened()
+    self._metrics = MetricsBook()  # used in the Trio thread only
     self._updating = False
     self._update_number = 0
     self._prompts_states = prompts_states  # shard i is loaded into actor i
@@ -1027,6 +1033,7 @@ async def open_merged(stream: RayRolloutStream) -> AsyncIterator[RayRolloutStrea
                 for lane in stream._lanes:
                     nursery.start_soon(stream._feed, lane)
                     nursery.start_soon(stream._watch, lane)
+                stream._metrics.opened()  # the first interval of metrics() starts now
                 try:
                     yield stream
                 finally:
@@ -1035,6 +1042,7 @@ async def open_merged(stream: RayRolloutStream) -> AsyncIterator[RayRolloutStrea
     finally:
         stream._closing = True
         stream._closed = True
+        stream._metrics.closed()  # the loop-lag probe, if metrics() started it, stops
         stream._consumer.unpark_all()
         with trio.CancelScope(shield=True):
             stop_failure = await stream._stop_actors()

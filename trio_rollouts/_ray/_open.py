@@ -225,9 +225,11 @@ class BlockingRayRolloutStream(BlockingRolloutStream):
     """The merged groups of Ray rollout actors, driven from synchronous code; created by
     :func:`blocking_ray_rollouts`. The surface of
     :class:`~trio_rollouts.BlockingRolloutStream` (``take``, ``get``, ``try_next``,
-    ``drain``, iteration, ``statistics``, ``policy_epoch``, and ``weight_update`` as a
-    plain ``with``, which pauses every actor as :meth:`RayRolloutStream.weight_update`
-    does), plus :meth:`fetch_statistics`, :meth:`prompts_state_dict` and the actors.
+    ``drain``, iteration, ``statistics``, ``metrics``, ``policy_epoch``, and
+    ``weight_update`` as a plain ``with``, which pauses every actor as
+    :meth:`RayRolloutStream.weight_update` does), plus :meth:`fetch_statistics`,
+    :meth:`prompts_state_dict` and the actors. Every call that needs the merge runs in the
+    bridge's Trio thread; the caller's thread makes no Trio call.
 
     Staleness: as on :class:`RayRolloutStream`, no group is returned too old for
     ``max_staleness``, groups that a timed-out ``take()`` kept included (they go back to
