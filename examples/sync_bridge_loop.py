@@ -38,17 +38,8 @@ def train_step(advantages: np.ndarray) -> float:
 
 def push_weights(epoch: int) -> None:
     """Stands in for sending the new weights to the inference servers (NCCL, a file on
-    disk, an HTTP call: yours). The simulated backend only needs the new epoch."""
-    model.set_generation_epoch(epoch)
-
-
-def oldest_epoch(batch: list[tr.RolloutGroup]) -> int | None:
-    """The policy epoch that started the batch's oldest rollout, or None when the
-    backend stamps no epochs (a text-only server)."""
-    starts = [
-        r.policy_epoch[0][0][1] for g in batch for r in g if r.policy_epoch and r.policy_epoch[0]
-    ]
-    return min(starts, default=None)
+    disk, an HTTP call: yours). It runs inside the stream's weight update, which tells
+    the backends the new epoch itself: the simulated backend needs nothing more."""
 
 
 model = EmbeddedInference(seed=0)  # in practice: OpenAIInference(base_url, model_name)
@@ -65,9 +56,9 @@ with tr.blocking_grouped_rollouts(agent, request) as stream:
     for step in range(5):
         batch = stream.take(request.num_groups, timeout=600)
         advantages = np.concatenate([group.advantages() for group in batch])
-        oldest = oldest_epoch(batch)
-        lag = "unknown" if oldest is None else step - oldest
+        lag = stream.policy_epoch - min(group.start_epoch for group in batch)
         loss = train_step(advantages)
-        push_weights(step + 1)
+        with stream.weight_update() as update:  # no call starts until the block exits
+            push_weights(update.epoch)
         print(f"step {step}: batch {batch[0].batch_id}, loss {loss:.3f}, lag {lag}")
     print(stream.statistics().delivered, "groups delivered")

@@ -211,19 +211,21 @@ def test_eval_writes_progress_lines_during_the_run(
                     "--out", tmp_path / "eval.json")  # fmt: skip
     assert result.exit_code == 0, result.output
     found = re.findall(
-        r"^evaluating: (\d+)/50 requests \(\d+%\), \S+ \S+, retries 0, ([\d.]+) s simulated "
-        r"elapsed, prompts (\d+)/10$",
+        r"^evaluating: (\d+)/50 requests \(\d+%\), \S+ \S+, retries 0, in flight (\d+)"
+        r"(?: \(oldest ([\d.]+) s\))?, ([\d.]+) s simulated elapsed, prompts (\d+)/10$",
         result.stderr,
         flags=re.MULTILINE,
     )
-    requests = [int(r) for r, _, _ in found]
-    elapsed = [float(e) for _, e, _ in found]
+    requests = [int(r) for r, _, _, _, _ in found]
+    elapsed = [float(e) for _, _, _, e, _ in found]
     assert len(found) >= 4
-    # Lines came every simulated second while requests were still being made...
+    # Lines came every simulated second while requests were still being made (one at a
+    # time, younger than the line's interval)...
     assert elapsed[:3] == [1.0, 2.0, 3.0]
     assert 0 < requests[0] < requests[1] < requests[2] < 50
-    # ... and the last one when the run ended.
-    assert (requests[-1], found[-1][2]) == (50, "10")
+    assert all(f[1] == "1" and 0 <= float(f[2]) < 1 for f in found[:3])
+    # ... and the last one when the run ended, with nothing in flight.
+    assert (requests[-1], found[-1][1], found[-1][4]) == (50, "0", "10")
 
 
 def test_a_dead_server_before_any_result_leaves_nothing_behind(

@@ -9,11 +9,15 @@ all; an exception group counts as transient when every failure inside it is (see
 consumer (``on_failure="raise"``) or is skipped (``"skip"``): the slot is generated
 afresh, and a skipped group never reaches the consumer, as a zero-reward row or
 otherwise. More than ``skip_budget`` skipped groups
-raise :class:`FailureBudgetExceededError` with the count and the last error.
+raise :class:`FailureBudgetExceededError` with the count and the last error. Each
+skipped group is logged (:func:`log_skipped`, a warning on ``trio_rollouts._failure``),
+so that skipping never hides what failed.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -21,7 +25,7 @@ import attrs
 from ._checks import int_at_least as _int_at_least
 from ._checks import is_real as _is_real
 from ._checks import seconds as _seconds
-from ._concurrency import real_leaves
+from ._concurrency import describe_error, real_leaves
 from .inference._errors import TRANSIENT_ERRORS
 
 __all__ = [
@@ -31,7 +35,11 @@ __all__ = [
     "RewardTimeoutError",
     "StepTimeoutError",
     "default_transient_errors",
+    "log_skipped",
 ]
+
+#: Where skipped groups are logged.
+logger = logging.getLogger(__name__)
 
 
 class GroupTimeoutError(TimeoutError):
@@ -141,3 +149,46 @@ class FailurePolicy:
         """Whether the policy changes nothing (no deadline, no retry, failures raise), which
         lets the pipeline take its fast path."""
         return self.group_timeout is None and self.max_attempts == 1 and self.on_failure == "raise"
+
+
+def log_skipped(
+    exc: BaseException,
+    where: str,
+    *,
+    attempts: int,
+    skipped: int,
+    skip_budget: int,
+    problem_ids: Sequence[object] = (),
+    env_id: str | None = None,
+) -> None:
+    """Log, as a warning, that the group of ``where`` (``"Agent.group_rollout (batch_id=3,
+    index=1)"``) was skipped after ``attempts`` attempts because of ``exc``; ``skipped``
+    groups so far, of at most ``skip_budget``. The problem and environment are named
+    when known (``problem_ids``: the last attempt's prompt draws)."""
+    about = ""
+    if env_id is not None:
+        about += f", env_id={env_id!r}"
+    if problem_ids:
+        about += ", problem " + ", ".join(repr(problem) for problem in problem_ids)
+    noun = "attempt" if attempts == 1 else "attempts"
+    leaves = real_leaves(exc)
+    # The failure itself, not the exception groups of the agent's nurseries.
+    failure = leaves[0] if len(leaves) == 1 else exc
+    logger.warning(
+        "skipped the group of %s%s after %d %s: %s (%d of skip_budget=%d groups skipped; "
+        "its slot is generated anew)",
+        where,
+        about,
+        attempts,
+        noun,
+        describe_error(exc),
+        skipped,
+        skip_budget,
+        extra={
+            "attempts": attempts,
+            "error_type": type(failure).__name__,
+            "problem_ids": tuple(problem_ids),
+            "env_id": env_id,
+            "skipped": skipped,
+        },
+    )

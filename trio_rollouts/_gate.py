@@ -14,6 +14,11 @@ the pipeline): each worker runs inside a long-lived timer, :meth:`UpdateGate.sta
 notes when its call started, and :meth:`UpdateGate.watchdog` cancels the timer of a call
 that comes due. Retries, and attempts on the slow path, run under a ``move_on_after``
 scope each, registered here so that a held update can stop its clock.
+
+Ages. Every call notes when it started (:attr:`UpdateGate.call_since`, one clock read per
+call, the one the watchdog's clock reuses), so that :meth:`UpdateGate.oldest_call_age`
+tells a slow pipeline (calls finish, the oldest is young) from a hung one (the oldest
+only ages): ``statistics().oldest_in_flight_s``.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class UpdateGate:
     """
 
     __slots__ = (
+        "call_since",
         "call_started",
         "deadlines",
         "drop_reason",
@@ -106,6 +112,10 @@ class UpdateGate:
         # (inf when it makes none).
         self.timers: list[trio.CancelScope] = [trio.CancelScope() for _ in range(workers)]
         self.call_started: list[float] = [math.inf] * workers
+        #: Per worker: when its call in flight started (Trio's clock), held time included;
+        #: left as it was when the call ends (``Pipeline.call_epoch`` says which workers
+        #: make one). Written by the worker at each call's start.
+        self.call_since: list[float] = [0.0] * workers
         # While a keep/abort update holds calls, deadlines stand still: frozen_at is when
         # they stopped; deadlines maps each slow-path attempt's scope to its remaining
         # time while frozen.
@@ -121,9 +131,9 @@ class UpdateGate:
         timer = self.timers[number] = trio.CancelScope()
         return timer
 
-    def start_clock(self, number: int) -> None:
-        """Worker ``number`` starts a call that the watchdog times."""
-        self.call_started[number] = trio.current_time()
+    def start_clock(self, number: int, now: float) -> None:
+        """Worker ``number`` starts, ``now``, a call that the watchdog times."""
+        self.call_started[number] = now
 
     def ended(self, number: int) -> DropReason | None:
         """Worker ``number``'s call ended (returned or raised) while an update watches
@@ -146,6 +156,23 @@ class UpdateGate:
     def too_old(self, start_epoch: int) -> bool:
         """Whether a group generated from ``start_epoch`` exceeds ``max_staleness`` now."""
         return exceeds_bound(start_epoch, self.epoch, self.max_staleness)
+
+    def oldest_call_age(self, call_epoch: Sequence[int | None]) -> float:
+        """Seconds since the oldest call in flight (``call_epoch``: each worker's, ``None``
+        for a worker that makes none) started, time held by an update included; 0.0 when
+        none is in flight. A scan of the workers: for statistics, not the hot path."""
+        since = self.call_since
+        oldest = math.inf
+        for number, epoch in enumerate(call_epoch):
+            if epoch is not None and since[number] < oldest:
+                oldest = since[number]
+        if oldest == math.inf:
+            return 0.0
+        try:
+            now = trio.current_time()
+        except RuntimeError:  # outside the Trio run (it has ended): nothing runs
+            return 0.0
+        return max(0.0, now - oldest)
 
     def calls_in_flight(self, call_epoch: Sequence[int | None]) -> int:
         """How many calls are in flight (``call_epoch``: each worker's, ``None`` for a

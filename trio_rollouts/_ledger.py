@@ -49,6 +49,10 @@ class RolloutStreamStatistics:
     - ``filtered``: completed groups dropped by ``filter_groups_with_same_reward``.
     - ``delivered``: groups the consumer has taken.
     - ``in_flight``: calls running now (never more than ``parallel_generation_tasks``).
+    - ``oldest_in_flight_s``: seconds since the oldest call running now started (Trio's
+      clock; time held by a weight update included), 0.0 when none is: a pipeline whose
+      calls are slow keeps it near their latency, a hung call makes it grow. Not a count
+      (a Ray stream's merged statistics leave it 0.0; see ``per_actor``).
     - ``buffered``: finished groups waiting in the stream's buffer (at most
       ``buffer_size``).
     - ``reordering``: groups taken out of the buffer but held back by ``enforce_order``
@@ -115,6 +119,7 @@ class RolloutStreamStatistics:
     mixed: int = 0
     cut: int = 0
     wasted_tokens: int = 0
+    oldest_in_flight_s: float = 0.0
 
     @property
     def attempts(self) -> int:
@@ -256,7 +261,13 @@ class Ledger:
         self.cancelled += count
 
     def statistics(
-        self, *, buffered: int, reordering: int, outstanding_batches: int, policy_epoch: int
+        self,
+        *,
+        buffered: int,
+        reordering: int,
+        outstanding_batches: int,
+        policy_epoch: int,
+        oldest_in_flight_s: float = 0.0,
     ) -> RolloutStreamStatistics:
         """A snapshot, with what the ledger does not keep itself."""
         return RolloutStreamStatistics(
@@ -290,4 +301,5 @@ class Ledger:
             mixed=self.mixed,
             cut=self.cut,
             wasted_tokens=self.wasted_tokens,
+            oldest_in_flight_s=oldest_in_flight_s,
         )

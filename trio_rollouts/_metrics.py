@@ -127,6 +127,7 @@ class MetricsBook:
         delivered = metrics["rollout/groups_delivered"]
         metrics["rollout/groups_per_s"] = delivered / interval if interval > 0 else 0.0
         metrics["rollout/in_flight"] = float(statistics.in_flight)
+        metrics["rollout/oldest_in_flight_s"] = statistics.oldest_in_flight_s
         metrics["rollout/buffered"] = float(statistics.buffered + statistics.reordering)
         metrics["rollout/pending"] = float(statistics.pending)
         metrics["rollout/policy_epoch"] = float(statistics.policy_epoch)
@@ -202,7 +203,7 @@ class MetricsBook:
     def _backend(self, backend: object) -> dict[str, float]:
         """Per replica of the request's backend: the embedded engine model's counters
         (prefix-cache hit rate, tokens, preemptions, queues) or the HTTP client's
-        (attempts, in flight)."""
+        (attempts, in flight, retries of single requests)."""
         values: dict[str, float] = {}
         engine_statistics = getattr(backend, "engine_statistics", None)
         if callable(engine_statistics):
@@ -231,6 +232,25 @@ class MetricsBook:
                     prefix = f"inference/{i}"
                     values[f"{prefix}/requests"] = self._delta(f"{prefix}/requests", sent)
                     values[f"{prefix}/in_flight"] = float(going)
+            values.update(self._client_retries(stats))
+        return values
+
+    def _client_retries(self, stats: object) -> dict[str, float]:
+        """The HTTP client's retries of single requests since the last report, per
+        replica (``inference/<i>/retries``) and by error class
+        (``inference/<i>/retries/<ErrorClass>``): not the pipeline's retries of whole
+        groups (``rollout/retries``)."""
+        values: dict[str, float] = {}
+        retries = getattr(stats, "retries_by_replica", None)
+        errors = getattr(stats, "retry_errors_by_replica", None)
+        if not isinstance(retries, tuple) or not isinstance(errors, tuple):
+            return values
+        for i, (count, by_error) in enumerate(zip(retries, errors, strict=False)):
+            key = f"inference/{i}/retries"
+            values[key] = self._delta(key, count)
+            for error, times in by_error:
+                key = f"inference/{i}/retries/{error}"
+                values[key] = self._delta(key, times)
         return values
 
     def _delta(self, key: str, value: float) -> float:

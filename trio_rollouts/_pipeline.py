@@ -152,7 +152,7 @@ from ._admission import Admission
 from ._concurrency import describe_error, flatten_exception_groups, real_leaves
 from ._cuts import GroupCall, current_group_call
 from ._draws import Draw, DrawBook, current_draws, finish, give_back
-from ._failure import FailureBudgetExceededError, GroupTimeoutError
+from ._failure import FailureBudgetExceededError, GroupTimeoutError, log_skipped
 from ._gate import DropReason, UpdateGate, call_start_epoch
 from ._handoff import Handoff
 from ._ledger import EnvironmentCounters, Ledger
@@ -165,6 +165,7 @@ from ._slots import Slots
 from ._stream import RolloutStream, discard_untaken, open_stream
 from ._tracing import SampleSpans, traced
 from ._tracing import state as tracing
+from ._weight_update import warn_epoch_ahead
 from .inference import Pausable
 from .inference._interface import require_raw
 from .inference._placement import call_group
@@ -278,9 +279,11 @@ class Pipeline:
         "closed",
         "consecutive_filtered",
         "draws",
+        "epoch_source",
         "failing",
         "fast",
         "filtering",
+        "final_attempts",
         "gate",
         "generate",
         "group_calls",
@@ -354,6 +357,10 @@ class Pipeline:
         self.policy = agent.failure_policy
         self.policy_is_trivial = self.policy.is_trivial
         self.prompts = agent.prompts
+        # The request's backend while it is Pausable and has not been seen ahead of the
+        # stream's epoch (taken() then warns, once).
+        interface = request.inference_interface
+        self.epoch_source = interface if isinstance(interface, Pausable) else None
         # The fast path: the first attempt inlined in the worker (see work).
         self.fast = (
             not self.filtering and self.ledger.env_of_slot is None and not self.draws.tracking
@@ -364,6 +371,9 @@ class Pipeline:
         self.seeded = request.seed is not None
         self.run_seed = request.seed or 0
         self.skipping = self.policy.on_failure == "skip"
+        # The attempts made by groups whose retries gave up, by id of the final failure,
+        # until it is skipped (for its log line) or raised.
+        self.final_attempts: dict[int, int] = {}
         # Whether the gate's watchdog times the fast path's first attempts.
         self.timed = self.fast and self.group_timeout is not None
         # Per worker: the epoch of its call in flight (None when it makes none: the
@@ -424,6 +434,10 @@ class Pipeline:
             self.admission.wake()
         if self.same_reward_groups >= 0:
             self.watch_rewards(group)
+        source = self.epoch_source
+        if source is not None and source.policy_epoch > self.gate.epoch:
+            self.epoch_source = None
+            warn_epoch_ahead(source, self.gate.epoch)
         return group
 
     def watch_rewards(self, group: RolloutGroup) -> None:
@@ -537,6 +551,8 @@ class Pipeline:
         slots = self.slots
         timed = self.timed
         call_epoch = self.call_epoch
+        call_since = gate.call_since
+        current_time = trio.lowlevel.current_clock().current_time
         set_start_epoch = call_start_epoch.set
         seeded = self.seeded
         run_seed = self.run_seed
@@ -609,6 +625,7 @@ class Pipeline:
                     if admission is not None:
                         admission.wake()  # the next waiting slot, if there is room
                     epoch = call_epoch[number] = gate.epoch
+                    started = call_since[number] = current_time()
                     if epoch != epoch_set:
                         set_start_epoch(epoch)
                         epoch_set = epoch
@@ -618,7 +635,7 @@ class Pipeline:
                     if seeded:
                         call_slot.set(slot)
                     if timed:
-                        gate.start_clock(number)
+                        gate.start_clock(number, started)
                     failure: BaseException | None = None
                     try:
                         result = await generate(batch_id, index)
@@ -756,7 +773,7 @@ class Pipeline:
             if not self.skipping:
                 self.ledger.raised += 1
                 raise
-            await self.skip(exc, batch_id, index)
+            await self.skip(exc, batch_id, index, number)
         else:
             return self.checked_group(result, batch_id, index, None, self.result_epoch[number])
         # A loop of instantly failing calls must stay cancellable.
@@ -785,7 +802,7 @@ class Pipeline:
                 if not self.skipping:
                     ledger.raised += 1
                     raise
-                await self.skip(exc, batch_id, index)
+                await self.skip(exc, batch_id, index, number)
                 # A loop of instantly failing calls must stay cancellable.
                 await trio.lowlevel.checkpoint()
                 continue
@@ -843,6 +860,7 @@ class Pipeline:
             result = await self.untracked_attempt(batch_id, index, env, number)
         except BaseException:
             give_back(draws)
+            self.call_draws[number] = draws  # the problem a skip names
             raise
         finally:
             current_draws.reset(token)
@@ -871,6 +889,7 @@ class Pipeline:
         if admission is not None:
             admission.wake()
         epoch = self.call_epoch[number] = gate.epoch
+        gate.call_since[number] = trio.current_time()
         call_start_epoch.set(epoch)
         call_group.set((self.run_seed, batch_id, index))
         group_call = self.group_calls[number]
@@ -956,6 +975,7 @@ class Pipeline:
         ledger = self.ledger
         ledger.waiting_to_retry += 1
         waiting = True
+        tries = 1
         try:
             async for attempt in stamina.retry_context(
                 on=policy.is_transient,
@@ -971,6 +991,7 @@ class Pipeline:
                     waiting = False
                     ledger.waiting_to_retry -= 1
                     ledger.retries += 1
+                    tries = attempt.num
                     # Seeds derived per request (GroupedRolloutRequest.seed) differ
                     # from the failed attempt's.
                     attempt_number = call_attempt.set(attempt.num)
@@ -987,6 +1008,8 @@ class Pipeline:
                 # Cancelled while waiting out the backoff: the slot is abandoned at
                 # shutdown, as a call in flight would be.
                 ledger.cancelled += 1
+            if isinstance(exc, Exception):
+                self.final_attempts[id(exc)] = tries
             raise
         finally:
             if waiting:
@@ -1060,11 +1083,21 @@ class Pipeline:
                 )
                 raise ValueError(msg)
 
-    async def skip(self, exc: Exception, batch_id: int, index: int) -> None:
-        """Give up on the slot's current group (on_failure="skip"); it is generated
-        anew, unless that was one skip too many (``FailureBudgetExceededError``)."""
+    async def skip(self, exc: Exception, batch_id: int, index: int, number: int) -> None:
+        """Give up on the slot's current group (on_failure="skip"), logged; it is
+        generated anew, unless that was one skip too many (``FailureBudgetExceededError``)."""
         ledger = self.ledger
         ledger.skipped += 1
+        draws = self.call_draws[number] if self.draws.tracking else ()
+        log_skipped(
+            exc,
+            self.where(batch_id, index),
+            attempts=self.final_attempts.pop(id(exc), 1),
+            skipped=ledger.skipped,
+            skip_budget=self.policy.skip_budget,
+            problem_ids=[draw.problem_id for draw in draws],
+            env_id=None if ledger.env_of_slot is None else ledger.env_of_slot(batch_id, index),
+        )
         if ledger.skipped > self.policy.skip_budget:
             # The failure itself, not the exception groups of the agent's nurseries.
             leaves = real_leaves(exc)

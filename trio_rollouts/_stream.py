@@ -267,13 +267,16 @@ class RolloutStream:
         of the groups taken (``rollout/staleness_mean``, ``_p50``, ``_p99``, ``_max``),
         the time the consumer waited for groups (``rollout/wait_for_batch_s``) and weight
         updates spent pausing (``rollout/weight_update_pause_s``), gauges
-        (``rollout/in_flight``, ``rollout/buffered``, ``rollout/pending``,
-        ``rollout/policy_epoch``, ``process/rss_mb``), the event loop's lag
-        (``loop/lag_p50_ms``, ``_p99_ms``, ``_max_ms``: sampled from the first call on,
-        so from the second call's dict), and per replica of the request's backend
+        (``rollout/in_flight``, ``rollout/oldest_in_flight_s``, ``rollout/buffered``,
+        ``rollout/pending``, ``rollout/policy_epoch``, ``process/rss_mb``), the event
+        loop's lag (``loop/lag_p50_ms``, ``_p99_ms``, ``_max_ms``: sampled from the first
+        call on, so from the second call's dict), and per replica of the request's backend
         (``inference/<i>/...``: the engine model's ``prefix_cache_hit_rate``,
         ``generation_tokens``, ``preemptions``, ``busy_s``, ``running``, ``waiting``;
-        the HTTP client's ``requests`` and ``in_flight``). Times are on Trio's clock.
+        the HTTP client's ``requests``, ``in_flight``, and ``retries`` of single requests,
+        also by error class as ``retries/<ErrorClass>``: not ``rollout/retries``, which
+        counts retries of whole groups under the failure policy). Times are on Trio's
+        clock.
 
         Not a checkpoint. Works after the ``async with`` has exited too (the last
         interval).
@@ -289,6 +292,7 @@ class RolloutStream:
             reordering=0 if self._order is None else len(self._order),
             outstanding_batches=p.slots.outstanding,
             policy_epoch=p.gate.epoch,
+            oldest_in_flight_s=p.gate.oldest_call_age(p.call_epoch) if p.ledger.in_flight else 0.0,
         )
 
 

@@ -17,11 +17,17 @@ An update is an async context manager entered by the consumer (see
    the new epoch when the body returned, the old one when it raised or was cancelled or
    a pause failed. The gate opens and the deadlines' clocks go on. Nothing is ever left
    paused, by any route.
+
+Weights pushed around an update (``EmbeddedInference.set_generation_epoch``, a backend's
+``resume`` called by hand) move the backend's epoch but not the stream's, so
+``start_epoch`` and ``max_staleness`` do not see them: the pipeline warns once per stream
+when it notices the request's backend ahead of the stream (:func:`warn_epoch_ahead`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,7 +42,7 @@ from .inference._pausable import WEIGHT_UPDATE_MODES, Pausable, WeightUpdateErro
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
 
-__all__ = ["WeightUpdate", "open_weight_update"]
+__all__ = ["WeightUpdate", "open_weight_update", "warn_epoch_ahead"]
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -218,3 +224,18 @@ async def open_weight_update(
         for failure in failures[1:]:
             error.add_note(f"resuming failed too: {type(failure).__name__}: {failure}")
         raise error from failures[0]
+
+
+def warn_epoch_ahead(backend: Pausable, stream_epoch: int) -> None:
+    """Warn that ``backend``'s policy epoch is ahead of the stream's (``stream_epoch``):
+    its weights were changed outside ``stream.weight_update``."""
+    msg = (
+        f"the inference backend ({type(backend).__name__}) is at policy epoch "
+        f"{backend.policy_epoch}, but the stream is at epoch {stream_epoch}: its weights "
+        "were changed outside stream.weight_update() (set_generation_epoch, or a resume of "
+        "its own), so the stream's policy_epoch, each group's start_epoch and max_staleness "
+        "do not see the change (no group is counted stale). Push weights inside "
+        "'with stream.weight_update() as update:' (the sync bridge's stream has it too), "
+        "which moves the stream's epoch and the backend's together"
+    )
+    warnings.warn(msg, UserWarning, stacklevel=4)

@@ -30,6 +30,7 @@ from .._models import GenerationArgs, Problem
 from .._prompt_file import PromptFileError, load_problems
 from .._reward_only import REWARD_FUNCTIONS
 from ..inference import DEFAULT_TIMEOUT, InferenceError, OpenAIInference
+from ..inference._retry import logger as retry_logger
 
 __all__ = [
     "EXIT_INTERRUPTED",
@@ -249,13 +250,20 @@ def end_live(console: Console) -> None:
 @contextlib.contextmanager
 def counting_retries(on_retry: RetryHook) -> Iterator[None]:
     """Report the inference layer's retries to ``on_retry`` instead of stamina's log
-    lines (which would tear through the progress display)."""
+    lines and the library's own (which would tear through the progress display; the
+    progress line and the summary count them)."""
     previous = stamina.instrumentation.get_on_retry_hooks()
     stamina.instrumentation.set_on_retry_hooks([on_retry])
+    retry_logger.addFilter(_no_record)
     try:
         yield
     finally:
+        retry_logger.removeFilter(_no_record)
         stamina.instrumentation.set_on_retry_hooks(previous)
+
+
+def _no_record(record: object) -> bool:
+    return False
 
 
 # --------------------------------------------------------------------------- files

@@ -7,12 +7,17 @@ there it is plain lines instead, one when the run starts, one every
 ``$TRIO_ROLLOUTS_PROGRESS_SECONDS`` seconds (default 30) whether or not anything
 finished meanwhile, and one when it ends. ``TRIO_ROLLOUTS_PROGRESS_SECONDS=0`` writes a
 line at every step instead (every finished group or request).
+
+Both show the calls in flight and how long the oldest of them has run (see
+:meth:`RunProgress.watch`), so that a slow run (calls finish, the oldest stays young) can
+be told from a hung one (the oldest only ages).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from types import TracebackType
 
 import click
@@ -29,10 +34,13 @@ from rich.progress import (
 )
 
 __all__ = [
+    "BAR_REFRESH_SECONDS",
     "PROGRESS_SECONDS",
     "PROGRESS_SECONDS_ENV",
+    "CallsInFlight",
     "RetryReasons",
     "RunProgress",
+    "calls_text",
     "progress_seconds",
     "rate_text",
 ]
@@ -44,6 +52,12 @@ PROGRESS_SECONDS_ENV = "TRIO_ROLLOUTS_PROGRESS_SECONDS"
 
 #: How much of a retried error's message a summary shows.
 _REASON_CHARS = 120
+#: Seconds between refreshes of the bar's calls in flight (on a terminal).
+BAR_REFRESH_SECONDS = 1.0
+
+#: What :meth:`RunProgress.watch` asks: the calls in flight now, and the seconds since the
+#: oldest of them started (0.0 when none is).
+CallsInFlight = Callable[[], tuple[int, float]]
 
 
 def progress_seconds() -> float:
@@ -83,6 +97,13 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
+def calls_text(count: int, oldest: float) -> str:
+    """``"in flight 3 (oldest 12.5 s)"``; ``"in flight 0"`` when none is."""
+    if count <= 0:
+        return "in flight 0"
+    return f"in flight {count} (oldest {_seconds(oldest)})"
+
+
 def _flat(text: str) -> str:
     return " ".join(text.split())
 
@@ -119,8 +140,9 @@ class RetryReasons:
 
 
 class RunProgress:
-    """A command's progress on stderr: ``done`` of ``total`` units, the retries,
-    and a ``detail`` text of the command's own.
+    """A command's progress on stderr: ``done`` of ``total`` units, the retries, the
+    calls in flight and the age of the oldest (once :meth:`watch` says where to read
+    them), and a ``detail`` text of the command's own.
 
     On a terminal it is a rich bar. Elsewhere it is plain lines (the module docstring
     says when); the periodic ones come from :meth:`heartbeat`, a task that runs beside
@@ -147,6 +169,7 @@ class RunProgress:
         self.done = 0
         self.detail = ""
         self.retries = RetryReasons()
+        self.calls: CallsInFlight | None = None
         self.lines = not console.is_terminal
         self.interval = progress_seconds() if self.lines else PROGRESS_SECONDS
         self._start: float | None = None
@@ -201,13 +224,26 @@ class RunProgress:
         """Show ``detail`` from now on."""
         self._update(detail)
 
+    def watch(self, calls: CallsInFlight) -> None:
+        """Show the calls in flight from now on, as ``calls()`` says (read at each line,
+        and every :data:`BAR_REFRESH_SECONDS` on a terminal); until then, none is shown."""
+        self.calls = calls
+
     async def heartbeat(self) -> None:
         """Write a line every ``interval`` seconds until cancelled, and a last one then
-        (lines mode; on a terminal the bar refreshes itself). Cancellation: the way it
-        ends."""
+        (lines mode); on a terminal the bar refreshes itself, and this reads the calls in
+        flight again every :data:`BAR_REFRESH_SECONDS`. Cancellation: the way it ends."""
         self._now()
         if not self.lines:
-            return
+            # The bar redraws itself; its calls in flight age only when read again.
+            try:
+                while True:
+                    await trio.sleep(BAR_REFRESH_SECONDS)
+                    if self.calls is not None:
+                        self._update(None)
+            finally:
+                if self.calls is not None:
+                    self._update(None)
         try:
             if self.interval == 0:
                 await trio.sleep_forever()
@@ -244,7 +280,13 @@ class RunProgress:
 
     def _detail_text(self) -> str:
         retries = f"  retries {self.retries.count}" if self.retries.count else ""
-        return f"{self.detail}{retries}"
+        calls = f"  {self._calls_text()}" if self.calls is not None else ""
+        return f"{self.detail}{retries}{calls}"
+
+    def _calls_text(self) -> str:
+        if self.calls is None:
+            return ""
+        return calls_text(*self.calls())
 
     def _line(self) -> None:
         now = self._now()
@@ -256,8 +298,10 @@ class RunProgress:
             f"{self.verb}: {self.done}/{self.total} {self.unit}s{share}",
             rate_text(self.done, elapsed, self.unit),
             f"retries {self.retries.count}",
-            f"{_seconds(elapsed)}{' simulated' if self.simulated else ''} elapsed",
         ]
+        if self.calls is not None:
+            parts.append(self._calls_text())
+        parts.append(f"{_seconds(elapsed)}{' simulated' if self.simulated else ''} elapsed")
         if self.detail:
             parts.append(self.detail)
         self._write(", ".join(parts))

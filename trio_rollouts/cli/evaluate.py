@@ -118,24 +118,41 @@ def progress_path(out: Path) -> Path:
 
 @attrs.define(kw_only=True, eq=False)
 class _CountingInterface(InferenceInterface):
-    """Delegates to ``inner``, calls ``on_done`` after every completed request, and
-    notes whether the sampled (temperature not 0) completions of each prompt varied."""
+    """Delegates to ``inner``, calls ``on_done`` after every completed request, notes
+    whether the sampled (temperature not 0) completions of each prompt varied, and knows
+    the requests in flight (:meth:`calls_in_flight`)."""
 
     inner: InferenceInterface
     on_done: Callable[[], None]
     #: Per sampled prompt (by hash): the hash of its first completion while every
     #: completion was the same, ``None`` once two differed. Hashes keep it small.
     sampled: dict[int, int | None] = attrs.field(factory=dict)
+    #: When each request in flight started (Trio's clock), by a number that grows: the
+    #: first entry is the oldest.
+    started: dict[int, float] = attrs.field(init=False, factory=dict)
+    requests: int = attrs.field(init=False, default=0)
 
     async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
         """``inner.agenerate(request)``. Cancellation: as the inner interface's."""
-        response = await self.inner.agenerate(request)
+        number = self.requests
+        self.requests += 1
+        self.started[number] = trio.current_time()
+        try:
+            response = await self.inner.agenerate(request)
+        finally:
+            del self.started[number]
         self.on_done()
         if request.generation_args.temperature != 0:
             prompt, text = hash(render_plain_chat(request.prompt)), hash(response.response.content)
             if self.sampled.setdefault(prompt, text) != text:
                 self.sampled[prompt] = None
         return response
+
+    def calls_in_flight(self) -> tuple[int, float]:
+        """The requests in flight, and the seconds since the oldest of them started."""
+        if not self.started:
+            return 0, 0.0
+        return len(self.started), trio.current_time() - next(iter(self.started.values()))
 
     def all_samples_identical(self) -> bool:
         """Whether some prompt was sampled and every prompt's samples were identical."""
@@ -458,6 +475,7 @@ def eval_command(
         simulated=embedded,
     )
     interface = _CountingInterface(inner=inner, on_done=progress.advance)
+    progress.watch(interface.calls_in_flight)
     args = generation_args(temperature, top_k, top_p, max_tokens)
 
     async def evaluate(problem: Problem) -> PassAtKResult:

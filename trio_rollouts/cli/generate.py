@@ -137,6 +137,12 @@ async def _generate_main(
     progress: RunProgress,
 ) -> None:
     async with agent.get_grouped_rollouts(request) as stream:
+
+        def calls() -> tuple[int, float]:
+            statistics = stream.statistics()
+            return statistics.in_flight, statistics.oldest_in_flight_s
+
+        progress.watch(calls)
         for _ in range(len(problems)):
             group = await stream.receive()
             _count_identical(group, tally, progress)

@@ -155,7 +155,12 @@ class OpenAIStatistics:
     sent as separate requests counts ``n`` of each), retries made across all replicas
     (``retries``), the calls that were retried at least once (``retried_requests``), and
     why (``retry_reasons``: one :class:`RetryReason` per error class and message, most
-    frequent first). A run's counts are added when it ends; while it runs,
+    frequent first); per replica, the retries after a request to it failed
+    (``retries_by_replica``) and their error classes (``retry_errors_by_replica``: per
+    replica, ``(class name, retries)`` pairs, most frequent first). These are retries of
+    single requests (``max_retries``), not the pipeline's retries of whole groups under a
+    ``FailurePolicy`` (``RolloutStream.statistics().retries``). A run's counts are added
+    when it ends; while it runs,
     :meth:`~OpenAIInference.statistics` called in it includes them, one called in another
     thread does not yet. A pickled copy starts from zero.
 
@@ -177,6 +182,8 @@ class OpenAIStatistics:
     retried_requests: int = 0
     retry_reasons: tuple[RetryReason, ...] = ()
     choices: tuple[int, ...] = ()
+    retries_by_replica: tuple[int, ...] = ()
+    retry_errors_by_replica: tuple[tuple[tuple[str, int], ...], ...] = ()
 
 
 def _to_base_urls(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -350,6 +357,28 @@ def _retry_reason(error: InferenceError) -> tuple[str, str]:
     return type(error).__name__, message[:_REASON_LENGTH]
 
 
+@functools.lru_cache(maxsize=64)
+def _url_prefixes(base_urls: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """``(URL prefix, replica)`` of each replica as errors show its requests' URLs: its
+    ``base_url`` and its server root (vLLM's native and control routes), without
+    credentials, longest first."""
+    prefixes = [(_display_url(url), index) for index, url in enumerate(base_urls)]
+    prefixes += [(_display_url(control_root(url)), index) for index, url in enumerate(base_urls)]
+    return tuple(sorted(prefixes, key=lambda prefix: -len(prefix[0])))
+
+
+def _replica_of(url: str | None, base_urls: tuple[str, ...]) -> int | None:
+    """The replica a failed request's ``url`` (an error's) went to, or ``None``."""
+    if len(base_urls) == 1:
+        return 0
+    if url is None:
+        return None
+    for prefix, index in _url_prefixes(base_urls):
+        if url == prefix or (url.startswith(prefix) and url[len(prefix)] in "/?"):
+            return index
+    return None
+
+
 class _Counts:
     """Retries of one Trio run, or the counts of the runs that have ended (the interface's
     totals: runs end in any thread, hence the lock)."""
@@ -361,6 +390,9 @@ class _Counts:
         self.retries = 0
         self.retried_requests = 0
         self.reasons: dict[tuple[str, str], int] = {}
+        # Retries by the URL that failed and the error's class; statistics() finds the
+        # replica of each URL (few: a replica's URLs are its routes).
+        self.by_url: dict[tuple[str | None, str], int] = {}
 
     def count_retry(self, error: InferenceError, first: bool) -> None:
         self.retries += 1
@@ -369,6 +401,18 @@ class _Counts:
         if reason not in self.reasons and len(self.reasons) >= _MAX_RETRY_REASONS:
             reason = (reason[0], "(other messages)")
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        key = (error.url, reason[0])
+        self.by_url[key] = self.by_url.get(key, 0) + 1
+
+    def by_replica(self, base_urls: tuple[str, ...]) -> list[dict[str, int]]:
+        """The retries of each replica of ``base_urls``, by error class."""
+        counts: list[dict[str, int]] = [{} for _ in base_urls]
+        for (url, error), count in self.by_url.items():
+            index = _replica_of(url, base_urls)
+            if index is not None:
+                errors = counts[index]
+                errors[error] = errors.get(error, 0) + count
+        return counts
 
     def add(self, attempts: Sequence[int], choices: Sequence[int], other: _Counts) -> None:
         """Add a run's ``attempts``, ``choices`` and retries (thread-safe)."""
@@ -379,6 +423,8 @@ class _Counts:
             self.retried_requests += other.retried_requests
             for reason, count in other.reasons.items():
                 self.reasons[reason] = self.reasons.get(reason, 0) + count
+            for key, count in other.by_url.items():
+                self.by_url[key] = self.by_url.get(key, 0) + count
 
     def copy(self) -> _Counts:
         copy = _Counts(len(self.attempts))
@@ -826,6 +872,7 @@ class OpenAIInference(
             if not state.added:
                 counts.add(state.attempts, state.choices, state.counts)
         reasons = sorted(counts.reasons.items(), key=lambda item: (-item[1], item[0]))
+        by_replica = counts.by_replica(self.base_url)
         return OpenAIStatistics(
             base_urls=self._shown_urls,
             in_flight=in_flight,
@@ -839,6 +886,11 @@ class OpenAIInference(
                 for (error, message), count in reasons
             ),
             choices=tuple(counts.choices),
+            retries_by_replica=tuple(sum(errors.values()) for errors in by_replica),
+            retry_errors_by_replica=tuple(
+                tuple(sorted(errors.items(), key=lambda item: (-item[1], item[0])))
+                for errors in by_replica
+            ),
         )
 
     # ----------------------------------------------------------------------- the probe

@@ -7,23 +7,37 @@ so stamina decides everything from there as if it had made it: whether to retry 
 (``stamina.set_active``, ``set_testing``), the backoff and its jitter, ``Retry-After``
 (capped at :attr:`RetryBackoff.max_retry_after`), its instrumentation hooks. Waits are
 ``trio.sleep`` under Trio, so they are cancellable and follow a ``MockClock``.
+
+Each retry is logged (:data:`logger`, ``trio_rollouts.inference._retry``, at ``WARNING``)
+when it starts: the URL that failed (as errors show it, without credentials), the error,
+the attempt and the backoff waited, and the pipeline group of the call when it runs in
+one (:data:`~._placement.call_group`, :data:`~._placement.call_episode`). stamina's own
+``stamina.retry_scheduled`` line names none of these. These are retries of one request;
+the pipeline's ``rollout/retries`` (``statistics().retries``) counts retries of whole
+groups under a ``FailurePolicy``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import attrs
 import stamina
+import trio
 
 from .._checks import non_negative_seconds
 from ._errors import TRANSIENT_ERRORS, InferenceError
+from ._placement import call_episode, call_group
 
-__all__ = ["RetryBackoff", "call_with_retries"]
+__all__ = ["RetryBackoff", "call_with_retries", "logger"]
 
 T = TypeVar("T")
+
+#: Where each retry is logged (see the module docstring).
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -86,6 +100,7 @@ async def _retried(
     replayed as stamina's first attempt."""
     attempt_number = 0
     last = first
+    failed_at = trio.current_time()
     try:
         async for trial in stamina.retry_context(
             on=functools.partial(_retry_wait, backoff),
@@ -101,10 +116,12 @@ async def _retried(
                     raise first
                 if on_retry is not None:
                     on_retry(last)
+                _log_retry(last, attempt_number, max_retries + 1, trio.current_time() - failed_at)
                 try:
                     return await attempt()
                 except InferenceError as exc:
                     last = exc
+                    failed_at = trio.current_time()
                     raise
     except InferenceError as exc:
         if attempt_number > 1:
@@ -112,3 +129,43 @@ async def _retried(
         raise
     msg = "stamina.retry_context ended without an outcome"  # pragma: no cover
     raise RuntimeError(msg)  # pragma: no cover
+
+
+def _log_retry(error: InferenceError, number: int, attempts: int, waited: float) -> None:
+    """Log that attempt ``number`` (of at most ``attempts``) starts after ``error`` and a
+    backoff of ``waited`` seconds, with the call's pipeline group when there is one."""
+    if not logger.isEnabledFor(logging.WARNING):
+        return
+    group = call_group.get()
+    episode = call_episode.get()
+    message = str(error)
+    url = error.url
+    # The URL once: request errors start with it ("POST http://... timed out: ...").
+    to = f" to {url}" if url is not None and url not in message else ""
+    where = ""
+    batch_id = index = None
+    if group is not None:
+        _, batch_id, index = group
+        where = f" for the group of batch_id={batch_id}, index={index}"
+        if episode is not None:
+            where += f" (episode {episode})"
+    logger.warning(
+        "retrying a request%s%s (attempt %d of %d, after %.2f s of backoff) after %s: %s",
+        to,
+        where,
+        number,
+        attempts,
+        waited,
+        type(error).__name__,
+        message,
+        extra={
+            "url": url,
+            "error_type": type(error).__name__,
+            "attempt": number,
+            "max_attempts": attempts,
+            "backoff_s": waited,
+            "batch_id": batch_id,
+            "index_in_batch": index,
+            "episode": episode,
+        },
+    )
