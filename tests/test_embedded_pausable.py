@@ -144,14 +144,15 @@ async def test_pause_waits_for_the_token_step_in_progress(
     assert call.response.finish_reason == "stop"
     assert call.response.policy_epoch == [(0, 0), (3, 1)]
     if mode == "keep":
-        # Tokens 3, 4, 5 from 10 to 13; the cache of tokens 0-2 is kept.
+        # Tokens 3, 4, 5 from 10 to 13; the cache of tokens 0-2 is kept, and the tokens
+        # after the boundary attend to it: no boundary in kv_cache_epoch.
         assert call.finished_at == t0 + 13
-        assert call.response.kv_cache_epoch == [(0, 0), (3, 1)]
+        assert call.response.kv_cache_epoch == [(0, 0)]
     else:
         # The continuation prefills again (10 to 11), then tokens 3, 4, 5 to 14; the
-        # whole cache is recomputed under epoch 1.
+        # whole cache is recomputed under epoch 1: tokens 3 on attend to epoch 1's KV.
         assert call.finished_at == t0 + 14
-        assert call.response.kv_cache_epoch == [(0, 1)]
+        assert call.response.kv_cache_epoch == [(0, 0), (3, 1)]
     assert_idle(interface)
 
 
@@ -183,7 +184,7 @@ async def test_no_token_is_generated_while_paused(
         assert call.response.response.content == "abcdef"
         assert call.response.policy_epoch == [(0, 0), (k, 1)]
         assert call.finished_at == t0 + 100 + prefill + (6 - k)
-        expected_cache = [(0, 1)] if mode == "abort" else [(0, 0), (k, 1)]
+        expected_cache = [(0, 0), (k, 1)] if mode == "abort" else [(0, 0)]
         assert call.response.kv_cache_epoch == expected_cache
 
 
@@ -200,7 +201,7 @@ async def test_abort_keeps_the_final_finish_reason(autojump_clock: trio.abc.Cloc
     assert call.response.response.content == "abcde"
     assert call.response.finish_reason == "length"
     assert call.response.policy_epoch == [(0, 0), (2, 2)]
-    assert call.response.kv_cache_epoch == [(0, 2)]
+    assert call.response.kv_cache_epoch == [(0, 0), (2, 2)]
     assert call.response.token_ids[call.response.prompt_length :] == [ord(c) for c in "abcde"]
     assert len(call.response.logprobs or []) == 5
     assert call.finished_at == t0 + 5 + 1 + 3
@@ -254,9 +255,9 @@ async def test_several_updates_on_one_request(autojump_clock: trio.abc.Clock) ->
     assert first.response is not None
     assert second.response is not None
     assert first.response.policy_epoch == [(0, 0), (2, 1), (4, 2)]
-    assert first.response.kv_cache_epoch == [(0, 2)]
+    assert first.response.kv_cache_epoch == [(0, 0), (4, 2)]
     assert second.response.policy_epoch == [(0, 0), (2, 1), (3, 2)]
-    assert second.response.kv_cache_epoch == [(0, 1), (3, 2)]
+    assert second.response.kv_cache_epoch == [(0, 0), (2, 1)]
     assert first.finished_at == t0 + 5.25 + 1 + 2  # prefill again, then tokens 4 and 5
     assert second.finished_at == t0 + 5.25 + 3  # tokens 3, 4 and 5
 
@@ -456,7 +457,7 @@ async def test_resume_without_pause_only_sets_the_epoch(autojump_clock: trio.abc
     assert call.response is not None
     assert call.finished_at == t0 + 7  # never held
     assert call.response.policy_epoch == [(0, 0), (3, 5)]  # as set_generation_epoch
-    assert call.response.kv_cache_epoch == [(0, 0), (3, 5)]
+    assert call.response.kv_cache_epoch == [(0, 0)]  # later tokens attend to the old KV
     assert_idle(interface)
 
 

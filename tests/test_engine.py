@@ -454,7 +454,8 @@ async def test_keep_stamps_the_token_where_the_new_epoch_began(
     k = paused_tokens
     assert k == 5
     assert response.policy_epoch == [(0, 0), (k, 1)]
-    assert response.kv_cache_epoch == [(0, 0), (k, 1)]
+    # The tokens after the boundary attend to the KV computed before it.
+    assert response.kv_cache_epoch == [(0, 0)]
     assert response.response.content == "abcdefghij"
 
 
@@ -475,7 +476,8 @@ async def test_abort_recomputes_the_cache_and_continues(
         await interface.resume(1)
     (response,) = result
     assert response.policy_epoch == [(0, 0), (k, 1)]
-    assert response.kv_cache_epoch == [(0, 1)]
+    # From token k on, the tokens attend to the cache computed again under epoch 1.
+    assert response.kv_cache_epoch == [(0, 0), (k, 1)]
     assert response.response.content == "abcdefghij"
     # The prompt and the k tokens were prefilled again after the resume.
     assert interface.engine_statistics()[0].prefill_tokens == 8 + 8 + k

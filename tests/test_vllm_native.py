@@ -138,6 +138,7 @@ async def test_an_id_prompt_goes_to_the_native_route(
     assert body["model"] == "test-model"
     assert (body["return_token_ids"], body["output_mode"]) == (True, "text")
     assert body["sampling_params"] == {"max_tokens": 5, "logprobs": 1}
+    assert body["cache_salt"].startswith("trio-rollouts-")  # salted by epoch (default)
     tokens = expected_tokens([1, 2, 3], 5)
     assert response.token_ids == [1, 2, 3, *tokens]
     assert response.prompt_length == 3
@@ -147,7 +148,7 @@ async def test_an_id_prompt_goes_to_the_native_route(
     assert response.finish_reason == "length"
     assert response.usage == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     assert response.policy_epoch == [(0, 0)]
-    assert response.kv_cache_epoch == []  # vLLM does not say which KV blocks were reused
+    assert response.kv_cache_epoch == [(0, 0)]  # the salt's epoch
     assert response.logprobs_mode == "unknown"  # never probed
     assert response.sampling_mask is None
     stats = interface.statistics()

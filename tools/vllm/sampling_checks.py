@@ -129,8 +129,11 @@ async def check_boundary(vllm: VLLM) -> str:
             ids, start = response.token_ids or [], response.prompt_length or 0
             check(len(ids) - start == LONGER, f"{mode}: {len(ids) - start} tokens")
             stamps = response.policy_epoch
-            if stamps == [(0, epoch)] and attempt < TRIES:
-                continue  # the call ended before the pause: nothing to stamp
+            if stamps in ([(0, epoch)], [(0, epoch + 1)]) and attempt < TRIES:
+                # The call ended before the pause, or (abort) the server's reply to the
+                # aborted request held none of its tokens, so all of them were sampled
+                # again after the resume: nothing to stamp either way.
+                continue
             check(
                 len(stamps) == 2 and stamps[0] == (0, epoch) and stamps[1][1] == epoch + 1,
                 f"{mode}: policy_epoch {stamps}",
@@ -196,11 +199,21 @@ async def calls_decoding(vllm: VLLM, interface: tr.OpenAIInference) -> None:
 
 async def check_stream(vllm: VLLM) -> str:
     interface = native(vllm, extra_body={"ignore_eos": True})
-    mixed, spanned = await stream_with_updates(vllm, interface)
-    check(mixed == 0, f"{mixed} groups counted as mixed on the native path")
-    check(spanned > 0, "no rollout spanned an update")
+    # The server's token counter, which says when the calls decode, sometimes moves only
+    # when they end (seen here: 4.3 s late): then the update lands after them and no
+    # rollout spans it. Such a try is made again, at most TRIES times, and counted.
+    tries = 0
+    spanned = 0
+    while not spanned and tries < TRIES:
+        tries += 1
+        mixed, spanned = await stream_with_updates(vllm, interface)
+        check(mixed == 0, f"{mixed} groups counted as mixed on the native path")
+    check(spanned > 0, f"no rollout spanned an update in {TRIES} tries")
     await interface.aclose()
-    return f"a keep update: {spanned} of 8 rollouts stamped across it exactly, mixed {mixed}"
+    return (
+        f"a keep update: {spanned} of 8 rollouts stamped across it exactly, mixed {mixed} "
+        f"(try {tries})"
+    )
 
 
 async def check_fallback(vllm: VLLM) -> str:

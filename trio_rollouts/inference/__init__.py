@@ -45,4 +45,6 @@ from ._placement import DEFAULT_ROUTING_MARGIN as DEFAULT_ROUTING_MARGIN
 from ._placement import ROUTINGS as ROUTINGS
 from ._placement import Routing as Routing
 from ._retry import RetryBackoff as RetryBackoff
+from ._salt import CacheSalt as CacheSalt
+from ._salt import CacheSaltCall as CacheSaltCall
 from ._sampling import ReplicaProbe as ReplicaProbe

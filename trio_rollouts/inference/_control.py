@@ -480,8 +480,8 @@ def merge_continuation(
         token_ids=token_ids,
         prompt_length=first.prompt_length if token_ids is not None else None,
         logprobs=logprobs,
-        policy_epoch=_merge_boundaries(first, continuation),
-        kv_cache_epoch=first.kv_cache_epoch,
+        policy_epoch=_merge_boundaries(first, continuation, "policy_epoch"),
+        kv_cache_epoch=_merge_boundaries(first, continuation, "kv_cache_epoch"),
         num_evictions=first.num_evictions + continuation.num_evictions,
         finish_reason=continuation.finish_reason,
         usage=_merge_usage(first.usage, continuation.usage),
@@ -491,24 +491,35 @@ def merge_continuation(
 
 
 def _merge_boundaries(
-    first: InferenceResponse, continuation: InferenceResponse
+    first: InferenceResponse,
+    continuation: InferenceResponse,
+    field: Literal["policy_epoch", "kv_cache_epoch"],
 ) -> list[tuple[int, int]]:
-    """The ``policy_epoch`` of an aborted response and its continuation: the first's
-    boundaries, then the continuation's moved past the tokens the first generated (a
-    boundary only where the epoch changes). Without the continuation's, the first's (a
-    server that stamps only the first segment cannot say more); without the first's
-    and with tokens before, none (the caller stamps the epoch the call started under)."""
-    if not continuation.policy_epoch:
-        return first.policy_epoch
+    """The ``policy_epoch`` (or ``kv_cache_epoch``) of an aborted response and its
+    continuation: the first's boundaries, then the continuation's moved past the tokens
+    the first generated (a boundary only where the epoch changes; one at the same index
+    replaces the last). Without the continuation's, the first's (a server that stamps
+    only the first segment cannot say more); without the first's and with tokens
+    before, none (the caller stamps the epoch the call started under)."""
+    first_boundaries: list[tuple[int, int]] = getattr(first, field)
+    continued: list[tuple[int, int]] = getattr(continuation, field)
+    if not continued:
+        return first_boundaries
     before = generated_tokens(first)
-    if not first.policy_epoch:
+    if not first_boundaries:
         # Only a first segment that generated nothing has nothing to stamp.
-        return list(continuation.policy_epoch) if before == 0 else []
+        return list(continued) if before == 0 else []
     if before is None:
-        return first.policy_epoch
-    merged = list(first.policy_epoch)
-    for start, epoch in continuation.policy_epoch:
-        if epoch != merged[-1][1]:
+        return first_boundaries
+    merged = list(first_boundaries)
+    for start, epoch in continued:
+        if epoch == merged[-1][1]:
+            continue
+        if merged[-1][0] == before + start:
+            merged[-1] = (before + start, epoch)
+            if len(merged) > 1 and merged[-2][1] == epoch:
+                merged.pop()
+        else:
             merged.append((before + start, epoch))
     return merged
 

@@ -59,6 +59,7 @@ from ._placement import (
     check_routing,
     current_call,
 )
+from ._salt import CacheSalt, check_cache_salt, new_run_id, salt_of
 from ._sampling import choice_seed
 
 __all__ = [
@@ -174,9 +175,19 @@ class EmbeddedInference(
     request's ``GenerationArgs.seed`` fixes its sample exactly, whatever other requests
     came before. ``policy_epoch`` starts at ``[(0, e)]`` with the epoch current at
     admission; see
-    :meth:`set_generation_epoch`. ``kv_cache_epoch`` mirrors ``policy_epoch`` (each
-    token's cache is computed under the weights that generated it), except after an
-    ``abort`` weight update (see :meth:`pause`); ``num_evictions`` is 0.
+    :meth:`set_generation_epoch`. ``kv_cache_epoch`` is, per sampled token, the oldest
+    epoch whose weights computed the KV it attended to: the epoch of admission, with no
+    boundary at a ``keep`` pause (the tokens after it attend to the cache computed
+    before it) and one where an ``abort`` continuation starts (its cache is computed
+    again; see :meth:`pause`); with ``engine``, the oldest epoch of the cached blocks
+    and computed ids it attends to. ``num_evictions`` is 0.
+
+    ``cache_salt`` and ``run_id`` salt the engine's prefix cache as
+    :class:`~trio_rollouts.inference.OpenAIInference` salts a server's (``"epoch"``, the
+    default: by the start epoch of the call's group, so no group reads KV computed before
+    its start; ``"off"``: one cache for all epochs, whose stale reuse shows in
+    ``EngineStatistics.stale_prefix_hits`` and ``kv_cache_epoch``; or a callable). They
+    change nothing without ``engine`` (no prefix cache is simulated then).
 
     It is :class:`~trio_rollouts.inference.Pausable` in all four modes and stamps epochs
     exactly (:meth:`pause`, :meth:`resume`); ``policy_epoch`` is
@@ -200,6 +211,8 @@ class EmbeddedInference(
     replicas: int = attrs.field(default=1, validator=int_at_least(1))
     routing: Routing = attrs.field(default="group", validator=check_routing)
     routing_margin: int = attrs.field(default=DEFAULT_ROUTING_MARGIN, validator=int_at_least(0))
+    cache_salt: CacheSalt = attrs.field(default="epoch", validator=check_cache_salt)
+    run_id: str = attrs.field(factory=new_run_id, validator=attrs.validators.instance_of(str))
     _counters: list[Counters] = attrs.field(
         init=False,
         repr=False,
@@ -251,16 +264,16 @@ class EmbeddedInference(
           never cut: ``pause`` waits for the steps in progress to end (at most one
           ``per_token`` wait), and each request holds before its next token. After
           ``resume(e)`` it goes on from token ``k``: ``policy_epoch`` gets ``(k, e)``
-          (or its empty last segment becomes ``(k, e)``), and so does ``kv_cache_epoch``:
-          the cache of tokens ``< k`` is kept as it was computed, under the old epoch.
+          (or its empty last segment becomes ``(k, e)``); ``kv_cache_epoch`` does not
+          move: the cache of tokens ``< k`` is kept as it was computed, under the old
+          epoch, and the tokens after the boundary attend to it.
         - ``"abort"``: as ``keep``, but a held request is stopped: after ``resume(e)`` it
           is continued from its partial output (the caller sees one call and the final
           ``finish_reason``), which costs a new first-token wait (prefill of the prompt
           and the ``k`` tokens so far), then goes on from token ``k`` with ``(k, e)`` in
           ``policy_epoch``. The continuation recomputes the whole cache, so
-          ``kv_cache_epoch`` becomes ``[(0, e)]`` (later boundaries are stamped as
-          usual). A request stopped before its first token starts over: ``[(0, e)]``
-          for both.
+          ``kv_cache_epoch`` gets ``(k, e)`` too. A request stopped before its first
+          token starts over: ``[(0, e)]`` for both.
         - ``"drain"`` / ``"restart"``: requests in flight are left alone and finish
           under the old epoch; ``pause`` returns when none is left (the pipeline calls
           it once no call is in flight, so at once).
@@ -372,6 +385,7 @@ class EmbeddedInference(
                     replica=number,
                     prompt_tokens=counters.prompt_tokens,
                     prefix_cache_hits=counters.prefix_cache_hits,
+                    stale_prefix_hits=counters.stale_prefix_hits,
                     prefill_tokens=counters.prefill_tokens,
                     generation_tokens=counters.generation_tokens,
                     preemptions=counters.preemptions,
@@ -534,11 +548,13 @@ class EmbeddedInference(
                     continue
                 epoch = self._generation_epoch
                 _stamp(policy_epoch, k, epoch)
-                if recomputed:
-                    kv_cache_epoch = [(0, epoch)]
-                    recomputed = False
-                else:
+                if recomputed or k == 0:
+                    # The prompt's cache is computed by the first token (held with it
+                    # by a pause), and all of it again for an abort's continuation:
+                    # from token k on, the tokens attend to KV of these weights. (After
+                    # a keep pause they attend to the cache computed before it.)
                     _stamp(kv_cache_epoch, k, epoch)
+                    recomputed = False
                 state.decoding += 1
                 try:
                     await trio.sleep(per_token)
@@ -590,6 +606,7 @@ class EmbeddedInference(
         cluster.arrived += 1
         order = admission_order(group, episode, cluster.arrived)
         priority = call_start_epoch.get(self._generation_epoch)
+        salt = self._engine_salt(priority)
         sequences = [
             EngineRequest(
                 tokens=prompt_ids + [ord(character) for character in generated],
@@ -597,6 +614,9 @@ class EmbeddedInference(
                 target=len(generated),
                 order=order,
                 priority=priority,
+                salt=salt(priority),
+                resalt=salt,
+                kv_floor=priority,
             )
             for _, generated, _ in sampled
         ]
@@ -622,7 +642,7 @@ class EmbeddedInference(
                 msg = "the simulated engine failed"
                 raise RuntimeError(msg) from sequence.error
             policy_epoch = sequence.policy_epoch or [(0, self._generation_epoch)]
-            kv_cache_epoch = sequence.kv_cache_epoch or list(policy_epoch)
+            kv_cache_epoch = sequence.kv_cache_epoch or list(policy_epoch)[:1]
             responses.append(
                 self._response(
                     prompt_text,
@@ -635,6 +655,20 @@ class EmbeddedInference(
                 )
             )
         return responses
+
+    def _engine_salt(self, start: int) -> Callable[[int], tuple[str, ...]]:
+        """The salt of a call started under ``start``, as a function of the epoch it
+        runs under (its start, or the epoch an ``abort`` continuation resumes under): the
+        root of its requests' block hashes. No salt is one root shared by all."""
+        continuations = 0
+
+        def salt(epoch: int) -> tuple[str, ...]:
+            nonlocal continuations
+            value, _ = salt_of(self.cache_salt, self.run_id, start, epoch, continuations)
+            continuations += 1
+            return ("unsalted",) if value is None else ("salt", value)
+
+        return salt
 
     def _cluster(self, state: _RunState, engine: EngineModel) -> Cluster:
         cluster = state.cluster
@@ -666,7 +700,7 @@ class EmbeddedInference(
                 # A keep or abort pause, and no step left: hold until resume().
                 if await state.hold(admission=False):
                     for replica in replicas:
-                        replica.preempt_all()
+                        replica.preempt_all(self._generation_epoch)
             elif holding or not cluster.arrivals:
                 with trio.move_on_at(cluster.next_step_end()):
                     await cluster.wake.park()

@@ -21,10 +21,15 @@ of them on Trio's clock. What each replica simulates, per step:
    finishes and frees its blocks.
 
 The prefix cache is vLLM's: a block of ``block_size`` ids is cached under a hash chained
-over the blocks before it (and the policy epoch it was computed under, so a weight
-update never serves blocks of older weights), as soon as it is scheduled, so a sibling
-admitted in the same step finds it; freed blocks stay cached, and the least recently
-freed is evicted first.
+over the blocks before it and the request's prefix-cache salt (``EmbeddedInference
+(cache_salt=...)``, as vLLM's ``cache_salt``: by default the start epoch of the call's
+group, so blocks of older weights are never served to a group started after an update),
+as soon as it is scheduled, so a sibling admitted in the same step finds it; freed
+blocks stay cached, and the least recently freed is evicted first. Each block remembers
+the oldest epoch its KV was computed under: a hit on a block older than the epoch the
+request belongs to (its call's start epoch; after an ``abort`` update, the epoch it
+continues under) counts in ``stale_prefix_hits``, and each sampled token's
+``kv_cache_epoch`` is the oldest epoch of the KV it attends to.
 
 Determinism: the requests that arrive at one instant are admitted in the order of their
 group, episode and choice (not the order Trio happened to run their tasks in), once
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Final, Literal
 
 import attrs
@@ -126,6 +131,9 @@ class EngineStatistics:
 
     - ``prompt_tokens``: prompt ids of admitted requests (counted at first admission);
     - ``prefix_cache_hits``: of those, served from the prefix cache;
+    - ``stale_prefix_hits``: blocks served from the prefix cache that were computed under
+      an epoch older than the one the request belongs to (its call's start epoch, or the
+      epoch an ``abort`` continuation resumed under): 0 with ``cache_salt="epoch"``;
     - ``prefill_tokens``: ids computed in prefill, recomputation after a preemption or an
       ``abort`` weight update included (what the replica paid for prompts);
     - ``generation_tokens``: tokens sampled;
@@ -138,6 +146,7 @@ class EngineStatistics:
     replica: int
     prompt_tokens: int = 0
     prefix_cache_hits: int = 0
+    stale_prefix_hits: int = 0
     prefill_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -158,6 +167,7 @@ class Counters:
 
     prompt_tokens: int = 0
     prefix_cache_hits: int = 0
+    stale_prefix_hits: int = 0
     prefill_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -170,6 +180,8 @@ class _Block:
     number: int
     hash: Hashable | None = None
     refs: int = 0
+    #: The oldest epoch the KV of its ids was computed under (set when it is cached).
+    epoch: int = 0
 
 
 @attrs.define(eq=False)
@@ -185,6 +197,16 @@ class EngineRequest:
     order: tuple[object, ...]
     #: The policy epoch its call started under (the queue's priority, lower first).
     priority: int = 0
+    #: Its prefix-cache salt: the root of its block hashes (requests share cached
+    #: blocks only under equal salts).
+    salt: Hashable = ("unsalted",)
+    #: The salt of its continuation under a new epoch after an ``abort`` update (``None``:
+    #: it keeps ``salt``).
+    resalt: Callable[[int], Hashable] | None = None
+    #: The epoch it belongs to: cached blocks computed before it are stale hits.
+    kv_floor: int = 0
+    #: ``(position, epoch)``: the epochs the KV it holds was computed under.
+    kv_epochs: list[tuple[int, int]] = attrs.field(factory=list)
     policy_epoch: list[tuple[int, int]] = attrs.field(factory=list)
     kv_cache_epoch: list[tuple[int, int]] = attrs.field(factory=list)
     generated: int = 0
@@ -192,7 +214,7 @@ class EngineRequest:
     blocks: list[_Block] = attrs.field(factory=list)
     #: The block hashes of ``tokens``, chained from ``root`` (computed as needed).
     hashes: list[Hashable] = attrs.field(factory=list)
-    root: int | None = None
+    root: Hashable | None = None
     admitted_once: bool = False
     recomputed: bool = False
     preemptions: int = 0
@@ -219,6 +241,17 @@ def _stamp(epochs: list[tuple[int, int]], k: int, epoch: int) -> None:
         epochs[-1] = (k, epoch)
     else:
         epochs.append((k, epoch))
+
+
+def _oldest(epochs: list[tuple[int, int]], start: int, end: int) -> int:
+    """The oldest epoch among ``epochs`` (``(position, epoch)`` boundaries) over the
+    positions ``[start, end)``."""
+    oldest: int | None = None
+    for i, (position, epoch) in enumerate(epochs):
+        following = epochs[i + 1][0] if i + 1 < len(epochs) else end
+        if position < end and following > start and (oldest is None or epoch < oldest):
+            oldest = epoch
+    return 0 if oldest is None else oldest
 
 
 @attrs.define(eq=False)
@@ -258,8 +291,10 @@ class Replica:
 
     # ----------------------------------------------------------------- the cache
 
-    def _hashes(self, seq: EngineRequest, blocks: int, root: int) -> list[Hashable]:
-        """The chained hashes of the first ``blocks`` full blocks of ``seq.tokens``."""
+    def _hashes(self, seq: EngineRequest, blocks: int) -> list[Hashable]:
+        """The chained hashes of the first ``blocks`` full blocks of ``seq.tokens``,
+        from its salt."""
+        root = seq.salt
         if seq.root != root:
             seq.root = root
             seq.hashes = []
@@ -272,30 +307,40 @@ class Replica:
             hashes.append(previous)
         return hashes
 
-    def _lookup(self, seq: EngineRequest, epoch: int) -> list[_Block]:
+    def _lookup(self, seq: EngineRequest) -> list[_Block]:
         if not self.model.prefix_caching:
             return []
         # Never the whole context: its last token is computed, to sample from.
         most = (seq.context_length - 1) // self.model.block_size
         found: list[_Block] = []
-        for h in self._hashes(seq, most, epoch)[:most]:
+        for h in self._hashes(seq, most)[:most]:
             block = self.cached.get(h)
             if block is None:
                 break
             found.append(block)
         return found
 
-    def _register(self, seq: EngineRequest, upto: int, epoch: int) -> None:
-        """Cache the full blocks of ``seq`` among its first ``upto`` ids."""
+    def _register(self, seq: EngineRequest, upto: int) -> None:
+        """Cache the full blocks of ``seq`` among its first ``upto`` ids, each with the
+        oldest epoch its ids' KV was computed under."""
         if not self.model.prefix_caching:
             return
-        full = upto // self.model.block_size
-        hashes = self._hashes(seq, full, epoch if seq.root is None else seq.root)
+        size = self.model.block_size
+        full = upto // size
+        hashes = self._hashes(seq, full)
         for j in range(full):
             block = seq.blocks[j]
             if block.hash is None and hashes[j] not in self.cached:
                 block.hash = hashes[j]
+                block.epoch = _oldest(seq.kv_epochs, j * size, (j + 1) * size)
                 self.cached[hashes[j]] = block
+
+    @staticmethod
+    def _computing(seq: EngineRequest, epoch: int) -> None:
+        """``seq``'s ids from ``seq.computed`` on are computed under ``epoch``."""
+        epochs = seq.kv_epochs
+        if not epochs or epochs[-1][1] != epoch:
+            epochs.append((seq.computed, epoch))
 
     def _allocate(self, seq: EngineRequest, upto: int) -> bool:
         """Give ``seq`` the blocks for its first ``upto`` ids; ``False`` if too few
@@ -327,14 +372,24 @@ class Replica:
                 self.free[block.number] = block
         seq.blocks = []
         seq.computed = 0
+        seq.kv_epochs = []
 
     def _take(self, seq: EngineRequest, hits: list[_Block]) -> None:
-        for block in hits:
+        size = self.model.block_size
+        epochs: list[tuple[int, int]] = []
+        stale = 0
+        for j, block in enumerate(hits):
             if block.refs == 0:
                 del self.free[block.number]
             block.refs += 1
+            if not epochs or epochs[-1][1] != block.epoch:
+                epochs.append((j * size, block.epoch))
+            if block.epoch < seq.kv_floor:
+                stale += 1
+        self.counters.stale_prefix_hits += stale
         seq.blocks = list(hits)
-        seq.computed = len(hits) * self.model.block_size
+        seq.computed = len(hits) * size
+        seq.kv_epochs = epochs
 
     # ----------------------------------------------------------------- requests
 
@@ -347,12 +402,17 @@ class Replica:
             self.waiting.remove(seq)
         self._release(seq)
 
-    def preempt_all(self) -> None:
-        """An ``abort`` update: every running request loses its cache and waits at the
-        head of the queue (in its order), to be computed again under the new weights."""
+    def preempt_all(self, epoch: int) -> None:
+        """An ``abort`` update to ``epoch``: every running request loses its cache and
+        waits at the head of the queue (in its order), to be computed again under the new
+        weights, salted as a continuation under ``epoch`` (as the HTTP client salts an
+        ``abort`` continuation)."""
         for seq in reversed(self.running):
             self._release(seq)
             seq.recomputed = True
+            if seq.resalt is not None:
+                seq.salt = seq.resalt(epoch)
+            seq.kv_floor = epoch
             self.queue(seq, first=True)
         self.running.clear()
 
@@ -405,7 +465,8 @@ class Replica:
                 if victim is seq:
                     break
             else:
-                self._register(seq, seq.computed + n, epoch)
+                self._computing(seq, epoch)
+                self._register(seq, seq.computed + n)
                 batch.append((seq, n))
                 budget -= n
                 i += 1
@@ -415,7 +476,7 @@ class Replica:
             waiting = self.waiting
             while waiting and len(running) < model.max_num_seqs and budget > 0:
                 seq = waiting[0]
-                hits = self._lookup(seq, epoch)
+                hits = self._lookup(seq)
                 computed = len(hits) * model.block_size
                 n = min(seq.context_length - computed, budget)
                 needed = -(-(computed + n) // model.block_size) - len(hits)
@@ -430,7 +491,8 @@ class Replica:
                     self.counters.prompt_tokens += seq.prompt_length
                     self.counters.prefix_cache_hits += min(computed, seq.prompt_length)
                 # Cached as soon as scheduled: a sibling admitted next finds it.
-                self._register(seq, computed + n, epoch)
+                self._computing(seq, epoch)
+                self._register(seq, computed + n)
                 running.append(seq)
                 batch.append((seq, n))
                 budget -= n
@@ -464,10 +526,8 @@ class Replica:
             if seq.generated < seq.target:
                 k = seq.generated
                 _stamp(seq.policy_epoch, k, epoch)
-                if seq.recomputed:
-                    seq.kv_cache_epoch[:] = [(0, epoch)]
-                else:
-                    _stamp(seq.kv_cache_epoch, k, epoch)
+                # The token attends to all the KV the request holds: the oldest counts.
+                _stamp(seq.kv_cache_epoch, k, min(e for _, e in seq.kv_epochs))
                 seq.recomputed = False
                 seq.generated += 1
                 self.counters.generation_tokens += 1

@@ -89,7 +89,9 @@ from ._parse import (
 from ._pausable import Pausable, WeightUpdateMode
 from ._placement import DEFAULT_ROUTING_MARGIN, Placement, Routing, check_routing, current_call
 from ._retry import RetryBackoff, call_with_retries
+from ._salt import CacheSalt, check_cache_salt, new_run_id, salt_of
 from ._sampling import LogprobsMode, ReplicaProbe, choice_seed
+from ._sglang import SGLangVersions, reply_spans
 from ._transport import Transport, TransportKind, encode_json, open_transport, proxied
 from ._vllm import (
     NativeCall,
@@ -119,6 +121,9 @@ DEFAULT_MAX_RETRIES = 3
 _CLOSE_GRACE = 5.0
 
 _ENDPOINT_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+#: The request field each server takes a prefix-cache salt in (vLLM: the OpenAI routes
+#: and the native one; SGLang: its OpenAI routes).
+_SALT_FIELDS: dict[str, str] = {"vllm": "cache_salt", "sglang": "extra_key"}
 
 #: What a weight update may ask of an interface without, and with, a server's control
 #: endpoints; and the modes that need them.
@@ -633,6 +638,27 @@ class OpenAIInference(
       queue first. vLLM 0.32 takes the field on any server; on its CPU build we could
       not observe it reorder waiting requests (``tools/vllm/placement_checks.py``
       reports the order). Off by default.
+    - ``cache_salt``: the prefix-cache salt each request carries, so that no request
+      reuses KV computed under older weights (``docs/pausing-servers.md``).
+      ``"epoch"`` (the default): a hash of ``run_id`` and the start epoch of the call's
+      group (its ``start_epoch`` in a pipeline, else :attr:`policy_epoch` when the call
+      starts), so a group's siblings and its episodes' later turns share their prefix
+      while a group started after an update never reads an older policy's KV; a
+      continuation after an ``abort`` pause is salted with the epoch it continues under
+      (its prefix is computed again, under the new weights). Sent as vLLM's
+      ``cache_salt`` (chat, completions and the native route) with ``server="vllm"``
+      and as SGLang's ``extra_key`` with ``server="sglang"``; each response's
+      ``kv_cache_epoch`` is then the salt's epoch, the oldest weights any KV its tokens
+      attended to can come from (no boundary at a ``keep`` pause: the tokens after it
+      still attend to the KV before it; a boundary where an ``abort`` continuation
+      starts). ``"off"``: no salt, and ``kv_cache_epoch`` stays unknown (``[]``). Or a
+      callable ``(run_id, call: CacheSaltCall) -> str | None``: its salt (``None``: none)
+      on every request; ``kv_cache_epoch`` unknown. With ``server=None`` nothing is
+      sent (the server's field is not known; a salt in ``extra_body`` is sent as given,
+      and so with any ``server``: it wins over this setting).
+    - ``run_id``: what the salt hashes beside the epoch (random per interface by default,
+      kept by a pickled copy, so every Ray actor of a run salts alike; two runs, whose
+      epochs name different weights, never share a salt).
 
     **Groups.** :meth:`agenerate_group` (the interface is
     :class:`~trio_rollouts.inference.GeneratesGroups`) sends one request for ``n``
@@ -704,6 +730,8 @@ class OpenAIInference(
     routing: Routing = attrs.field(default="group", validator=check_routing)
     routing_margin: int = attrs.field(default=DEFAULT_ROUTING_MARGIN, validator=int_at_least(0))
     priority: bool = attrs.field(default=False, validator=_check_priority)
+    cache_salt: CacheSalt = attrs.field(default="epoch", validator=check_cache_salt)
+    run_id: str = attrs.field(factory=new_run_id, validator=attrs.validators.instance_of(str))
     # The replicas as shown in errors (no credentials), parsed once, not per attempt.
     _shown_urls: tuple[str, ...] = attrs.field(
         init=False,
@@ -756,6 +784,18 @@ class OpenAIInference(
         init=False,
         repr=False,
         default=attrs.Factory(lambda self: self._native_route(), takes_self=True),
+    )
+    # SGLang's weight versions (None unless server="sglang"): the labels this interface
+    # set and which replicas stamp with them, kept for the interface's life.
+    _sglang: SGLangVersions | None = attrs.field(
+        init=False,
+        repr=False,
+        default=attrs.Factory(
+            lambda self: (
+                SGLangVersions.for_replicas(len(self.base_url)) if self.server == "sglang" else None
+            ),
+            takes_self=True,
+        ),
     )
     # What probe() learned per replica, over the interface's life.
     _probe_cache: ProbeCache = attrs.field(init=False, repr=False, factory=ProbeCache)
@@ -1009,6 +1049,8 @@ class OpenAIInference(
         Otherwise ``False``: the OpenAI routes do not say where the weights changed, and
         a call is stamped ``[(0, e)]`` with the epoch it started under (unless the
         server returns its own ``policy_epoch`` stamps, as Megatron's does)."""
+        if self._sglang is not None:
+            return self._sglang.stamps
         return self._native is not None and self._native.stamps
 
     def _pause_state(self) -> PauseState:
@@ -1104,6 +1146,8 @@ class OpenAIInference(
             if control is not None and (paused or self._server_paused):
                 new_version = epoch if paused and epoch != self._epoch.value else None
                 error = await control.resume(state.transport, self._server_paused, new_version)
+                if self._sglang is not None and new_version is not None and error is None:
+                    self._sglang.labelled_all(new_version)
         finally:
             self._epoch.value = epoch
             pause.release()
@@ -1121,6 +1165,22 @@ class OpenAIInference(
             await native.relabel(state.transport, state.native, epoch)
 
     # ----------------------------------------------------------------------- requests
+
+    def _salt(self, body: dict[str, Any], epoch: int, continuation: int = 0) -> int | None:
+        """Put the request's prefix-cache salt in ``body`` (see ``cache_salt``), for a
+        call that starts (``continuation`` 0) or continues under the interface's
+        ``epoch``; return the epoch ``kv_cache_epoch`` records, or ``None`` when it is
+        unknown (no salt, or not the epoch salt)."""
+        key = _SALT_FIELDS.get(self.server) if self.server is not None else None
+        if key is None or key in self.extra_body:
+            return None
+        start = call_start_epoch.get(epoch)
+        salt, kv_epoch = salt_of(self.cache_salt, self.run_id, start, epoch, continuation)
+        if salt is None:
+            body.pop(key, None)
+        else:
+            body[key] = salt
+        return kv_epoch
 
     async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
         """Send ``request`` to the replica :attr:`routing` picks, retrying transient
@@ -1162,6 +1222,7 @@ class OpenAIInference(
             await pause.wait_resumed()
             state = self._state()  # aclose() during the pause closed the old transport
         epoch = self._epoch.value
+        kv_epoch = self._salt(body, epoch)
         call = NativeCall(start_epoch=epoch) if self._native is not None else None
         server_pauses = pause.server_pauses
         if request.prompt_ids is None:
@@ -1170,6 +1231,7 @@ class OpenAIInference(
             (response,) = await self._token_attempt(
                 state, request, request.prompt_ids, body, path, call
             )
+        _stamp_kv(response, kv_epoch)
         if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
             response = await self._continue_aborted(state, request, body, path, response, call)
         if not response.policy_epoch:
@@ -1235,11 +1297,14 @@ class OpenAIInference(
             await pause.wait_resumed()
             state = self._state()  # aclose() during the pause closed the old transport
         epoch = self._epoch.value
+        kv_epoch = self._salt(body, epoch)
         server_pauses = pause.server_pauses
         answered: list[InferenceResponse] = []
         if body.get("temperature") != 0:
             call = NativeCall(start_epoch=epoch) if self._native is not None else None
             answered = await self._send(state, request, {**body, "n": n}, path, call, group, n)
+            for response in answered:
+                _stamp_kv(response, kv_epoch)
         responses: list[InferenceResponse | None] = [None] * n
         if group.replica is None:  # nothing sent yet: the separate requests go together
             group.place(state.placement, state.in_flight)
@@ -1294,9 +1359,11 @@ class OpenAIInference(
             await pause.wait_resumed()
             state = self._state()  # aclose() during the pause closed the old transport
         epoch = self._epoch.value
+        kv_epoch = self._salt(body, epoch)
         call = NativeCall(start_epoch=epoch) if self._native is not None else None
         server_pauses = pause.server_pauses
         (response,) = await self._send(state, request, body, path, call, group)
+        _stamp_kv(response, kv_epoch)
         if response.finish_reason == ABORT and pause.server_pauses != server_pauses:
             response = await self._continue_aborted(
                 state, request, body, path, response, call, group
@@ -1367,6 +1434,8 @@ class OpenAIInference(
             continuations += 1
             continued = seed_continuation(continued, body, continuations)
             epoch = self._epoch.value
+            # Salted with the epoch it continues under: its prefix is computed again.
+            kv_epoch = self._salt(continued, epoch, continuations)
             (segment,) = await self._attempt_with_retries(
                 state,
                 request,
@@ -1376,6 +1445,7 @@ class OpenAIInference(
                 call=call,
                 group=group,
             )
+            _stamp_kv(segment, kv_epoch)
             if merged.policy_epoch and not segment.policy_epoch and generated_tokens(segment):
                 # A stamped call continued on a replica that does not stamp: its new
                 # tokens were sampled after the resume, under the epoch it set.
@@ -1641,10 +1711,12 @@ class OpenAIInference(
                             endpoint, request, sent, response, shown, self.api_key
                         )
                         parsed.logprobs_mode = mode
+                        self._sglang_stamps(index, response, [parsed])
                         return [self._check_returned(index, sent, parsed)]
                     choices = parse_choices(endpoint, request, sent, response, shown, self.api_key)
                     for parsed in choices:
                         parsed.logprobs_mode = mode
+                    self._sglang_stamps(index, response, choices)
                     checked = [self._check_returned(index, sent, parsed) for parsed in choices]
                     return self._choices_answered(index, checked, n)
                 said = server_message(response)
@@ -1663,6 +1735,20 @@ class OpenAIInference(
                 capabilities.drop(index, refused, self._shown_urls[index])
         finally:
             state.in_flight[index] -= 1
+
+    def _sglang_stamps(
+        self, index: int, response: Response, parsed: list[InferenceResponse]
+    ) -> None:
+        """With ``server="sglang"``: each choice's ``policy_epoch`` from the weight
+        versions SGLang stamped on its tokens (``_sglang.py``), unless the server sent
+        its own stamps."""
+        versions = self._sglang
+        if versions is None:
+            return
+        spans = reply_spans(response.json(), len(parsed))
+        for choice, spans_of_choice in zip(parsed, spans, strict=True):
+            if not choice.policy_epoch and generated_tokens(choice) != 0:
+                choice.policy_epoch = versions.boundaries(index, spans_of_choice)
 
     def _choices_answered(
         self, index: int, answered: list[InferenceResponse], n: int
@@ -1991,6 +2077,13 @@ def _choice_body(body: dict[str, Any], choice: int) -> dict[str, Any]:
     if choice == 0 or not isinstance(seed, int) or isinstance(seed, bool):
         return body
     return {**body, "seed": choice_seed(seed, choice)}
+
+
+def _stamp_kv(response: InferenceResponse, epoch: int | None) -> None:
+    """Record that the KV ``response``'s tokens attended to was computed at or after
+    ``epoch`` (the epoch of its salt; ``None``: unknown), unless the server said."""
+    if epoch is not None and not response.kv_cache_epoch:
+        response.kv_cache_epoch = [(0, epoch)]
 
 
 def _stamped(response: InferenceResponse, epoch: int) -> InferenceResponse:
