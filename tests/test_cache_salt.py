@@ -354,6 +354,8 @@ async def test_the_stale_hits_of_a_pipeline_run_are_zero_by_default(
                 await stream.receive()
                 async with stream.weight_update("keep"):
                     pass
+            metrics = stream.metrics()
         stale[setting] = sum(stats.stale_prefix_hits for stats in interface.engine_statistics())
+        assert metrics["inference/0/stale_prefix_hits"] == stale[setting]  # for the dashboard
     assert stale["epoch"] == 0
     assert stale["off"] > 0

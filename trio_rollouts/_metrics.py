@@ -212,6 +212,9 @@ class MetricsBook:
                 prompt = self._delta(f"{prefix}/prompt_tokens", stats.prompt_tokens)
                 hits = self._delta(f"{prefix}/prefix_cache_hits", stats.prefix_cache_hits)
                 values[f"{prefix}/prefix_cache_hit_rate"] = hits / prompt if prompt else 0.0
+                values[f"{prefix}/stale_prefix_hits"] = self._delta(
+                    f"{prefix}/stale_prefix_hits", stats.stale_prefix_hits
+                )
                 values[f"{prefix}/generation_tokens"] = self._delta(
                     f"{prefix}/generation_tokens", stats.generation_tokens
                 )
