@@ -207,7 +207,9 @@ def make_agent(
     }
     if arm.turns == 0:
         return SingleTurnAgent(renderer=renderer, **options)
-    extra: dict[str, Any] = {}
+    # Without limits unless the arm measures them (the agent's defaults bound steps and
+    # episode length).
+    extra: dict[str, Any] = {"step_timeout": None, "max_episode_tokens": None}
     if arm.limits:
         extra = {"environment_concurrency": 1_000_000, "step_timeout": 60.0}
     return tr.MultiTurnAgent(

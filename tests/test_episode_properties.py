@@ -84,10 +84,10 @@ N_PROBLEMS = 60
 
 
 #: The completions written as the plain layout re-renders their parse, so they bridge
-#: (a broken call whose text is not JSON is written back as it is); the others (content
-#: around calls, a call without "arguments", an unclosed call) are breaks. Drawn more
+#: (a turn with a call that could not be read is written back as it was sampled); the
+#: others (content around calls, a call without "arguments") are breaks. Drawn more
 #: often, so that the extension property is exercised across bridges, not only breaks.
-CANONICAL = (0, 1, 3, 5, 6)
+CANONICAL = (0, 1, 3, 4, 5, 6)
 
 
 class Boom(Exception):
@@ -501,10 +501,20 @@ def plain_text(messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | No
     return head + "".join(map(message_text, messages)) + "<|assistant|>\n"
 
 
+def turn_message(text: str) -> ChatMessage:
+    """A turn the model wrote as ``text``, as the agent keeps it in the conversation: its
+    parse as a structured message, or, when a call could not be read, the text itself
+    (a broken call is shown back as written, never as a call the model did not write)."""
+    parsed = PLAIN.parse(PLAIN.encode(text))
+    if any(call.arguments is None for call in parsed.tool_calls):
+        return ChatMessage(role="assistant", content=text)
+    return parsed.to_message()
+
+
 def assistant_text(text: str) -> str:
-    """The canonical re-render of a turn the model wrote as ``text``: its parse, as the
-    structured message the agent appends, in the plain layout."""
-    return message_text(PLAIN.parse(PLAIN.encode(text)).to_message())
+    """The canonical re-render of a turn the model wrote as ``text``: the message the
+    agent appends (:func:`turn_message`), in the plain layout."""
+    return message_text(turn_message(text))
 
 
 def bridges(text: str, close: str, messages: Sequence[ChatMessage]) -> str | None:
@@ -578,8 +588,9 @@ def expected_episode(sc: Scenario, script: Script, reset: list[ChatMessage]) -> 
             finish = "max_turns"
             break
         messages = step_messages(turns - 1, spec)
-        # The turn goes into the conversation as its parse (a structured message).
-        conversation += [parsed.to_message(), *messages]
+        # The turn goes into the conversation as its parse (a structured message), or
+        # as written when a call broke.
+        conversation += [turn_message(text), *messages]
         close = PLAIN.encode(sc.close) if cut else []
         # The bridge is proved on the conversation: the turn's text must be its canonical
         # re-render (and a cut turn's close ids must be what the layout writes after it).
@@ -992,7 +1003,7 @@ def test_the_reference_bridge_is_the_plain_renderers_proof(completion: str, clos
     messages = [ChatMessage(role="tool", content="result 0.0")]
     for k in range(1, len(completion) + 1):
         text = completion[:k]
-        history = [*reset, PLAIN.parse(PLAIN.encode(text)).to_message()]
+        history = [*reset, turn_message(text)]
         held = PLAIN.render(reset) + PLAIN.encode(text + close)
         proved = PLAIN.bridge(held, messages, messages=history)
         expected = bridges(text, close, messages)

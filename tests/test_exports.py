@@ -23,6 +23,7 @@ ReplicaProbe
 
 TESTING_NAMES = """
 ScriptedAgent GroupScript NullInference NullChatInference ScriptedPausable rollouts
+VocabularyInference
 """.split()
 
 

@@ -51,10 +51,19 @@ from ._environment import (
 from ._failure import StepTimeoutError
 from ._gate import call_start_epoch
 from ._messages import ChatMessage, GenerationArgs
-from ._models import FIDELITY_LEVELS, GroupedRolloutRequest, Problem, SamplingSpan, TokenRollout
+from ._models import (
+    FIDELITY_LEVELS,
+    GroupedRolloutRequest,
+    Problem,
+    Rollout,
+    RolloutGroup,
+    SamplingSpan,
+    TokenRollout,
+)
 from ._sampling import request_seed, sampling_span, seeded
 from .inference._errors import TokenMismatchError
 from .inference._interface import (
+    CODE_POINTS,
     GeneratesGroups,
     InferenceInterface,
     InferenceRequest,
@@ -62,16 +71,37 @@ from .inference._interface import (
     ReturnsLogProbs,
     ReturnsTokens,
     accepts_tokens,
+    token_vocabulary,
 )
 from .inference._pausable import Pausable
 from .inference._placement import call_episode
 from .inference._sampling import choice_seed
 from .renderers import AssistantTurn, Renderer
+from .renderers._base import check_roles
 
-__all__ = ["ACLOSE_SECONDS", "MultiTurnAgent", "TemplateBreakError", "TokenFidelityError"]
+__all__ = [
+    "ACLOSE_SECONDS",
+    "DEFAULT_MAX_EPISODE_TOKENS",
+    "DEFAULT_STEP_TIMEOUT",
+    "MultiTurnAgent",
+    "TemplateBreakError",
+    "TokenFidelityError",
+    "check_vocabulary",
+]
 
 #: How long :meth:`Environment.aclose` may take (shielded) before it is abandoned.
 ACLOSE_SECONDS = 5.0
+#: ``MultiTurnAgent.step_timeout`` by default: five minutes. A tool call (a sandboxed
+#: run, a test suite, a web request) still running after that is almost always hung, and
+#: a hung step holds its group, and the group's slot in the pipeline, forever; past it
+#: the step fails with the transient ``StepTimeoutError`` and the failure policy retries
+#: the group.
+DEFAULT_STEP_TIMEOUT = 300.0
+#: ``MultiTurnAgent.max_episode_tokens`` by default: 32,768 ids, the context most RL
+#: models are served with (Qwen2.5's and Qwen3's native length, vLLM's
+#: ``max_model_len`` for them; Llama 3.1's 128k holds it too). No model generates past
+#: its context, and without a bound each verbose tool result grows every later prompt.
+DEFAULT_MAX_EPISODE_TOKENS = 32_768
 
 #: What an Environment has (see ``_Episode.run``).
 _ENVIRONMENT_PARTS = ("reset", "step", "final_reward", "aclose", "tools")
@@ -129,6 +159,58 @@ def check_min_fidelity(
         allowed = ", ".join(repr(level) for level in FIDELITY_LEVELS)
         msg = f"min_fidelity must be one of {allowed}, got {value!r:.40}"
         raise ValueError(msg)
+
+
+def check_vocabulary(renderer: object, interface: object, who: str) -> None:
+    """Refuse a renderer whose ids ``interface`` cannot take: the backend says what its
+    token ids are (:func:`~trio_rollouts.inference.token_vocabulary`) and the
+    renderer's ``token_vocabulary`` is not that. A ``TypeError`` naming ``who``, the
+    renderer, the backend, both vocabularies and the fix. A backend that does not know
+    its vocabulary (a server's model) is taken on trust."""
+    theirs = token_vocabulary(interface)
+    if theirs is None:
+        return
+    ours = getattr(renderer, "token_vocabulary", None)
+    if ours == theirs:
+        return
+    msg = (
+        f"{who}: the renderer {type(renderer).__name__} writes {_vocabulary(ours)}, but "
+        f"{describe_backend(interface)} takes and returns {_vocabulary(theirs)}: it would "
+        "read every prompt as other tokens, and its sampled ids would decode to garbage. "
+        "Pair them by vocabulary: PlainRenderer() with EmbeddedInference (code points); "
+        "HFRenderer(tokenizer) with a backend that serves that tokenizer's model "
+        "(OpenAIInference against vLLM or SGLang, or offline "
+        "trio_rollouts.testing.VocabularyInference(tokenizer))"
+    )
+    if ours is None and theirs == CODE_POINTS:
+        msg += (
+            f". If {type(renderer).__name__}'s ids are Unicode code points, say so: "
+            f"token_vocabulary = {CODE_POINTS!r}"
+        )
+    raise TypeError(msg)
+
+
+def _vocabulary(vocabulary: str | None) -> str:
+    if vocabulary is None:
+        return "ids of no declared vocabulary (its token_vocabulary is None)"
+    if vocabulary == CODE_POINTS:
+        return "Unicode code points as token ids"
+    return f"the token ids of the vocabulary {vocabulary!r}"
+
+
+def turn_message(renderer: Renderer, turn: AssistantTurn, sampled: Sequence[int]) -> ChatMessage:
+    """The turn as the conversation keeps it: the structured message
+    (:meth:`AssistantTurn.to_message`), or, when a tool call could not be read, the
+    text the model wrote (its ids less trailing stop ids, decoded): structured, a broken
+    call would be written back as a call the model never wrote (no name, its raw text
+    as a string of arguments)."""
+    if all(call.arguments is not None for call in turn.tool_calls):
+        return turn.to_message()
+    ids = list(sampled)
+    stops = set(renderer.stop_token_ids)
+    while ids and ids[-1] in stops:
+        ids.pop()
+    return ChatMessage(role="assistant", content=renderer.decode(ids))
 
 
 def backend_fidelity(interface: object) -> str:
@@ -353,11 +435,19 @@ class MultiTurnAgent(GroupedRolloutGenerator):
     renderer: Renderer = attrs.field(validator=check_renderer)
     #: At most this many assistant turns per episode.
     max_turns: int = attrs.field(default=8, validator=_int_at_least(1))
-    #: At most this many ids per trajectory element (``None``: no bound).
-    max_episode_tokens: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
-    #: Seconds one ``env.step`` may take (``None``: no deadline); past it the step is
-    #: cancelled and the episode fails with :class:`StepTimeoutError`.
-    step_timeout: float | None = attrs.field(default=None, validator=_seconds(positive=True))
+    #: At most this many ids per trajectory element; by default
+    #: :data:`DEFAULT_MAX_EPISODE_TOKENS` (32,768, the context most RL models are served
+    #: with: set your server's ``max_model_len`` when it is another); ``None``: no bound.
+    max_episode_tokens: int | None = attrs.field(
+        default=DEFAULT_MAX_EPISODE_TOKENS, validator=_optional_int_at_least(1)
+    )
+    #: Seconds one ``env.step`` may take; by default :data:`DEFAULT_STEP_TIMEOUT` (five
+    #: minutes: a step still running then is almost always hung, and holds its group
+    #: forever); ``None``: no deadline. Past it the step is cancelled and the episode
+    #: fails with :class:`StepTimeoutError` (transient: the group is retried).
+    step_timeout: float | None = attrs.field(
+        default=DEFAULT_STEP_TIMEOUT, validator=_seconds(positive=True)
+    )
     #: At most this many ``reset``/``step`` calls at once across the agent (``None``: no
     #: bound). Waiting for one does not count against ``step_timeout``.
     environment_concurrency: int | None = attrs.field(
@@ -392,6 +482,14 @@ class MultiTurnAgent(GroupedRolloutGenerator):
             )
             raise TypeError(msg)
 
+    def _slot_generator(
+        self, request: GroupedRolloutRequest
+    ) -> Callable[[int, int], Awaitable[Sequence[Rollout | TokenRollout] | RolloutGroup]]:
+        """As every agent's, once the renderer is checked against the request's backend
+        (:func:`check_vocabulary`): when the stream opens, before any work."""
+        check_vocabulary(self.renderer, request.inference_interface, type(self).__name__)
+        return super()._slot_generator(request)
+
     async def get_problem(self, request: GroupedRolloutRequest) -> Problem:
         """The problem of one group: the next draw from ``prompts``. Override it to take
         problems from elsewhere.
@@ -410,15 +508,18 @@ class MultiTurnAgent(GroupedRolloutGenerator):
         """Run ``request.rollouts_per_group`` episodes of one problem concurrently.
 
         Raises :class:`TokenFidelityError` before any work when the backend cannot give
-        ``min_fidelity``. The first failing episode cancels the others and is raised as
-        itself, with a note naming the problem, the episode and the turn; episodes that
-        failed at the same instant (the same bug in each) are named in a note on it and
-        kept with it, so the failure policy classifies the group by all of them.
+        ``min_fidelity``, and ``TypeError`` when its token ids are not the renderer's
+        (:func:`check_vocabulary`). The first failing episode cancels the others and is
+        raised as itself, with a note naming the problem, the episode and the turn;
+        episodes that failed at the same instant (the same bug in each) are named in a
+        note on it and kept with it, so the failure policy classifies the group by all
+        of them.
 
         Cancellation: cancels every model call and environment step; returns (or
         raises) only when every episode has ended and every environment was closed.
         """
         interface = request.inference_interface
+        check_vocabulary(self.renderer, interface, type(self).__name__)
         fidelity = backend_fidelity(interface)
         if RANK[fidelity] < RANK[self.min_fidelity]:
             message = fidelity_error(interface, fidelity, self.min_fidelity, what_lacked(fidelity))
@@ -717,6 +818,7 @@ class _Run:
         interface = self.shared.request.inference_interface
         self.fidelity = self.shared.fidelity
         messages = checked_messages(await self.limited(self.env.reset), "reset()")
+        check_roles(renderer, messages, "reset()")
         self.conversation = list(messages)
         self.tools = self.env.tools
         self.where = "rendering reset()'s messages"
@@ -899,9 +1001,10 @@ class _Run:
         element = self.elements[-1]
         stops = renderer.stop_token_ids
         # The turn as a structured message (content, tool calls, reasoning): what every
-        # template renders, and what a chat server is sent.
-        self.conversation.append(turn.to_message())
+        # template renders, and what a chat server is sent; as written if a call broke.
+        self.conversation.append(turn_message(renderer, turn, sampled))
         new_messages = list(step.messages)
+        check_roles(renderer, new_messages, "step().messages")
         tools = self.env.tools
         closed = bool(sampled) and sampled[-1] in stops
         close = list(renderer.close_ids) if (truncated or retokenized) and not closed else []
@@ -926,6 +1029,15 @@ class _Run:
             ids = renderer.render(self.conversation, tools=tools)
             if budget is not None and len(ids) >= budget:
                 return False
+            if new_messages and tools == self.tools:
+                before = self.conversation[: len(self.conversation) - len(new_messages)]
+                if renderer.render(before, tools=tools) == ids:
+                    roles = ", ".join(sorted({repr(m.role) for m in new_messages}))
+                    why = (
+                        f"the step's messages (roles {roles}) render to no text: the "
+                        "template drops them, so the model would never see them (send them "
+                        "in a role the template renders)"
+                    )
             self.broke(why)
             self.tools = tools
             self.elements.append(Element.scaffold(ids))

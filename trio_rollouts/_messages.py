@@ -9,7 +9,8 @@ for a wrong type, ``ValueError`` for one out of range, naming the field and the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, ClassVar, Final
 
 import attrs
 
@@ -17,7 +18,7 @@ from ._checks import check_str as _check_str
 from ._checks import is_int as _is_int
 from ._checks import is_real as _is_real
 
-__all__ = ["ChatMessage", "GenerationArgs", "LLMChatMessage", "Record"]
+__all__ = ["CHAT_ROLES", "ChatMessage", "GenerationArgs", "LLMChatMessage", "Record"]
 
 
 # --------------------------------------------------------------------------- base record
@@ -34,14 +35,70 @@ class Record:
 # --------------------------------------------------------------------------- messages
 
 
+#: The roles every chat template renders.
+CHAT_ROLES: Final = ("system", "user", "assistant", "tool")
+#: The roles a message may have: :data:`CHAT_ROLES` and those renderers declared
+#: (:meth:`ChatMessage.declare_roles`), in the order they were declared.
+_roles: dict[str, None] = dict.fromkeys(CHAT_ROLES)
+
+
+def _check_role(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    _check_str(instance, attribute, value)
+    if value in _roles:
+        return
+    allowed = ", ".join(map(repr, _roles))
+    msg = (
+        f"role must be one of {allowed} (or a role a renderer declares in its extra_roles), "
+        f"got {value!r:.40}"
+    )
+    if value == "function":
+        msg += ": OpenAI's deprecated name for a tool result, which is a 'tool' message"
+    raise ValueError(msg)
+
+
 @attrs.define(kw_only=True)
 class ChatMessage(Record):
-    """One message of a chat: ``role`` (``"system"``, ``"user"``, ``"assistant"``,
-    ``"tool"``, ...) and its text ``content``. Extra keys (``tool_calls``, ``name``) are
-    kept in :attr:`extra`."""
+    """One message of a chat: ``role`` and its text ``content``. Extra keys
+    (``tool_calls``, ``tool_call_id``, ``name``) are kept in :attr:`extra`.
 
-    role: str = attrs.field(validator=_check_str)
+    ``role`` is one of :attr:`ROLES` (``"system"``, ``"user"``, ``"assistant"``,
+    ``"tool"``), which every chat template renders, or a role that a renderer declares
+    (its ``extra_roles``: Llama 3's ``"ipython"``, gpt-oss's ``"developer"``); any other
+    is a ``ValueError`` naming the roles allowed. A template drops a message whose role
+    it does not know, silently (Qwen2.5's drops a ``"function"`` message): the model
+    would never see it.
+    """
+
+    #: The roles every chat template renders.
+    ROLES: ClassVar[tuple[str, ...]] = CHAT_ROLES
+
+    role: str = attrs.field(validator=_check_role)
     content: str = attrs.field(validator=_check_str)
+
+    @staticmethod
+    def declare_roles(roles: Iterable[str]) -> None:
+        """Let messages have ``roles`` besides :attr:`ROLES`, from now on, in this
+        process: what a renderer does for its ``extra_roles`` when it is made (so make
+        the renderer before the messages). Each role must be a non-empty string
+        (``TypeError``/``ValueError`` otherwise). Idempotent."""
+        if isinstance(roles, str):
+            msg = f"roles must be an iterable of role names, not one string: got {roles!r:.40}"
+            raise TypeError(msg)
+        checked = []
+        for role in roles:
+            if not isinstance(role, str):
+                msg = f"a role must be a str, got {role!r:.40}"
+                raise TypeError(msg)
+            if not role.strip():
+                msg = f"a role must be a non-empty name, got {role!r}"
+                raise ValueError(msg)
+            checked.append(role)
+        _roles.update(dict.fromkeys(checked))
+
+    @staticmethod
+    def allowed_roles() -> tuple[str, ...]:
+        """The roles a message may have now: :attr:`ROLES`, then those declared."""
+        return tuple(_roles)
 
 
 #: The origin's name for :class:`ChatMessage`.

@@ -1,31 +1,49 @@
-"""Test doubles for code that uses trio_rollouts: a scripted agent, null backends, and a
-scripted Pausable backend (re-exported by :mod:`trio_rollouts.testing`).
+"""Test doubles for code that uses trio_rollouts: a scripted agent, null backends, a
+scripted Pausable backend, and a token-in backend over a real tokenizer's vocabulary
+(re-exported by :mod:`trio_rollouts.testing`).
 
 They are what the library's own tests and benchmarks use, so they are held to the same
 contracts as the real thing: the null backends are ``ReturnsRaw`` as the pipeline
-requires, and the scripted Pausable backend holds requests while paused, as
-:class:`~trio_rollouts.inference.Pausable` says a backend must. Every wait is a Trio
-sleep or event, so tests run on a :class:`trio.testing.MockClock` with autojump in no
-real time.
+requires, the scripted Pausable backend holds requests while paused, as
+:class:`~trio_rollouts.inference.Pausable` says a backend must, and the vocabulary
+backend generates from ``prompt_ids`` exactly and says which vocabulary its ids are in.
+Every wait is a Trio sleep or event, so tests run on a :class:`trio.testing.MockClock`
+with autojump in no real time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+import hashlib
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 import trio
 
-from . import ChatMessage, GroupedRolloutGenerator, GroupedRolloutRequest, Rollout, TokenRollout
+from . import (
+    ChatMessage,
+    GenerationArgs,
+    GroupedRolloutGenerator,
+    GroupedRolloutRequest,
+    Rollout,
+    TokenRollout,
+)
+from ._checks import int_at_least, non_negative_seconds
 from .inference import (
     WEIGHT_UPDATE_MODES,
+    AcceptsTokens,
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
     Pausable,
+    Policy,
+    ReturnsLogProbs,
     ReturnsRaw,
     WeightUpdateMode,
 )
+from .renderers import tokenizer_vocabulary
 
 #: What :class:`ScriptedAgent` runs for each group: ``await script(agent, request)``
 #: returns the group's rollouts.
@@ -291,3 +309,292 @@ class ScriptedPausable(NullInference, Pausable):
         response = self._answer()
         response.policy_epoch = [(0, epoch)]
         return response
+
+
+#: How many ids may follow each id in :class:`VocabularyInference`'s random bigram model.
+_SUCCESSORS = 64
+
+
+def _stop_ids(value: Iterable[object] | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids: list[int] = []
+    for i, token in enumerate(value):
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            msg = f"stop_token_ids[{i}] must be a token id (an int >= 0), got {token!r:.40}"
+            raise TypeError(msg)
+        ids.append(token)
+    return tuple(ids)
+
+
+@attrs.define(eq=False)
+class VocabularyInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, AcceptsTokens):
+    """A token-in backend over a real tokenizer's vocabulary, offline and seeded: a
+    stand-in for a model served with that tokenizer, to test environments, templates and
+    trainers on real BPE ids with :class:`~trio_rollouts.HFRenderer` of the same
+    tokenizer (the agent checks that the vocabularies agree). It is no language model.
+
+    - ``tokenizer``: a Hugging Face tokenizer (``get_vocab``, ``encode``, ``decode``:
+      a ``PreTrainedTokenizerFast``, or one from ``AutoTokenizer.from_pretrained``).
+    - ``seed``: fixes every sample: the same seed and the same requests, in the same
+      order, give the same ids. Requests with the same prompt ids draw from streams of
+      their own, one after the other (so a group's episodes differ); a request's
+      ``GenerationArgs.seed`` fixes its sample exactly, whatever came before.
+    - ``policy``: ``None`` (the default) samples every id from the vocabulary, below;
+      or a :data:`~trio_rollouts.inference.Policy` as
+      :class:`~trio_rollouts.inference.EmbeddedInference` takes (the conversation to
+      ``(completions, probabilities)``): the completion drawn is encoded with the
+      tokenizer, generated id by id, and ended with the first stop id, so a test can
+      script tool calls in the template's own format.
+    - ``stop_token_ids``: the ids that end a turn (``finish_reason="stop"``, the stop id
+      kept as the last generated id, as engines do); by default the tokenizer's
+      ``eos_token_id``. Pass ``HFRenderer(tokenizer).stop_token_ids`` to end turns as the
+      template does.
+    - ``mean_length``: without a policy, how many ids a turn has on average before its
+      stop id, at temperature 1 without top-k or top-p.
+    - ``max_tokens``: the most ids a turn generates when the request sets no
+      ``max_tokens`` (``finish_reason="length"``), as a server's context would.
+    - ``latency``: seconds each call takes (``trio.sleep``: no real time on a
+      ``MockClock``).
+
+    **Sampling.** Without a policy, the ids that may follow an id are 64 of the
+    vocabulary's ordinary tokens (neither special tokens nor byte fragments that
+    decode to no character alone), with logits drawn from ``seed`` and that id (a
+    fixed random bigram model), and the first stop id, with the probability that makes
+    ``mean_length`` hold. With a policy, the candidates are its completions. Either way
+    ``GenerationArgs`` is honoured as engines do: ``temperature`` scales the
+    log-probabilities (``0.0`` takes the most probable, the first on ties), then
+    ``top_k`` and ``top_p`` cut the candidates, and ``max_tokens`` cuts the turn.
+    ``logprobs`` are those of the distribution sampled from
+    (``logprobs_mode="processed"``; greedy is scored at temperature 1, as vLLM does);
+    with a policy each id of a completion of probability ``p`` gets
+    ``log(p) / len(ids)``.
+
+    **The response.** ``token_ids`` is ``prompt_ids`` followed by the generated ids,
+    ``prompt_length`` ``len(prompt_ids)``, ``raw_text`` all of them decoded (special
+    tokens included), the message's content the generated ids less a trailing stop id,
+    decoded. A request without ``prompt_ids`` is rendered with the tokenizer's chat
+    template. :attr:`token_vocabulary` is the tokenizer's
+    (:func:`~trio_rollouts.renderers.tokenizer_vocabulary`), so
+    :class:`~trio_rollouts.HFRenderer` over the same tokenizer is accepted and
+    :class:`~trio_rollouts.PlainRenderer` (code points) refused. :attr:`requests` lists
+    every request, in arrival order.
+    """
+
+    #: The tokenizer whose vocabulary the ids are drawn from.
+    tokenizer: Any
+    #: Fixes every sample.
+    seed: int = attrs.field(default=0, kw_only=True, validator=int_at_least(0))
+    #: ``None`` (ids from the vocabulary) or a Policy over whole completions.
+    policy: Policy | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(attrs.validators.is_callable()),
+    )
+    #: The ids that end a turn (``None``: the tokenizer's ``eos_token_id``).
+    stop_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, kw_only=True, converter=_stop_ids
+    )
+    #: Without a policy: the ids of a turn, on average, before its stop id.
+    mean_length: int = attrs.field(default=16, kw_only=True, validator=int_at_least(1))
+    #: The most ids a turn generates when the request sets no ``max_tokens``.
+    max_tokens: int = attrs.field(default=256, kw_only=True, validator=int_at_least(1))
+    #: Seconds each call takes.
+    latency: float = attrs.field(default=0.0, kw_only=True, validator=non_negative_seconds)
+    #: Every request received, in arrival order.
+    requests: list[InferenceRequest] = attrs.field(factory=list, init=False)
+    _vocabulary: str | None = attrs.field(init=False, default=None, repr=False)
+    _stops: tuple[int, ...] = attrs.field(init=False, default=(), repr=False)
+    _candidates: npt.NDArray[np.int64] = attrs.field(init=False, repr=False)
+    _per_prompt: dict[bytes, int] = attrs.field(init=False, factory=dict, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        tokenizer = self.tokenizer
+        get_vocab = getattr(tokenizer, "get_vocab", None)
+        vocabulary = get_vocab() if callable(get_vocab) else None
+        if (
+            not isinstance(vocabulary, Mapping)
+            or not vocabulary
+            or not all(callable(getattr(tokenizer, name, None)) for name in ("encode", "decode"))
+        ):
+            msg = (
+                "VocabularyInference needs a Hugging Face tokenizer (get_vocab(), encode(), "
+                f"decode()), got {type(tokenizer).__name__}"
+            )
+            raise TypeError(msg)
+        self._vocabulary = tokenizer_vocabulary(tokenizer)
+        if self.stop_token_ids is not None:
+            self._stops = self.stop_token_ids
+        else:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            self._stops = (eos,) if isinstance(eos, int) and not isinstance(eos, bool) else ()
+        special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        special.update(i for i, token in added.items() if getattr(token, "special", False))
+        special.update(self._stops)
+        ids = sorted({i for i in vocabulary.values() if isinstance(i, int)} - special)
+        # Byte fragments (a byte-level BPE's pieces of a character) decode to U+FFFD
+        # alone: left out, so that turns decode to text.
+        batch_decode = getattr(tokenizer, "batch_decode", None)
+        singles = [[i] for i in ids]
+        texts = batch_decode(singles) if callable(batch_decode) else map(self._decode, singles)
+        ids = [i for i, text in zip(ids, texts, strict=True) if text and "\ufffd" not in text]
+        if not ids:
+            msg = "VocabularyInference: the tokenizer's vocabulary has no ordinary token"
+            raise ValueError(msg)
+        self._candidates = np.array(ids, dtype=np.int64)
+
+    @property
+    def token_vocabulary(self) -> str | None:
+        """The tokenizer's vocabulary
+        (:func:`~trio_rollouts.renderers.tokenizer_vocabulary`)."""
+        return self._vocabulary
+
+    async def base_generate(self, request: InferenceRequest) -> InferenceResponse:
+        """Record ``request``, wait ``latency`` seconds, and sample a turn.
+
+        Cancellation: a checkpoint; cancelled, it answers nothing (the request stays
+        recorded) and has drawn no sample, so the seeded streams are as before.
+        """
+        self.requests.append(request)
+        await trio.sleep(self.latency)
+        prompt_ids = self._prompt_ids(request)
+        rng = self._rng(prompt_ids, request.generation_args.seed)
+        args = request.generation_args
+        limit = self.max_tokens if args.max_tokens is None else args.max_tokens
+        if self.policy is None:
+            generated, logprobs = self._from_vocabulary(prompt_ids, args, rng, limit)
+        else:
+            generated, logprobs = self._from_policy(request, prompt_ids, args, rng, limit)
+        stopped = bool(generated) and generated[-1] in self._stops
+        content = generated[:-1] if stopped else generated
+        return InferenceResponse(
+            response=ChatMessage(role="assistant", content=self._decode(content)),
+            raw_text=self._decode([*prompt_ids, *generated]),
+            token_ids=[*prompt_ids, *generated],
+            prompt_length=len(prompt_ids),
+            logprobs=logprobs,
+            finish_reason="stop" if stopped else "length",
+            logprobs_mode="processed",
+        )
+
+    def _prompt_ids(self, request: InferenceRequest) -> list[int]:
+        if request.prompt_ids is not None:
+            return list(request.prompt_ids)
+        template = getattr(self.tokenizer, "apply_chat_template", None)
+        if not callable(template) or not getattr(self.tokenizer, "chat_template", None):
+            msg = (
+                "VocabularyInference got a chat request (no prompt_ids) and its tokenizer has "
+                "no chat template: send prompt_ids (MultiTurnAgent does), or give the "
+                "tokenizer a chat_template"
+            )
+            raise TypeError(msg)
+        conversation = [
+            {**message.extra, "role": message.role, "content": message.content}
+            for message in request.prompt
+        ]
+        text = template(
+            conversation, tools=request.tools, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _rng(self, prompt_ids: list[int], seed: int | None) -> np.random.Generator:
+        digest = hashlib.sha256(np.asarray(prompt_ids, dtype=np.int64).tobytes()).digest()
+        words = [int.from_bytes(digest[i : i + 8], "little") for i in (0, 8)]
+        if seed is not None:
+            return np.random.default_rng([self.seed, *words, 1, seed])
+        occurrence = self._per_prompt.get(digest, 0)
+        self._per_prompt[digest] = occurrence + 1
+        return np.random.default_rng([self.seed, *words, 0, occurrence])
+
+    def _from_vocabulary(
+        self, prompt_ids: list[int], args: GenerationArgs, rng: np.random.Generator, limit: int
+    ) -> tuple[list[int], list[float]]:
+        generated: list[int] = []
+        logprobs: list[float] = []
+        previous = prompt_ids[-1] if prompt_ids else -1
+        stops = self._stops
+        while len(generated) < limit:
+            ids, probs = self._successors(previous)
+            index, probability = _draw(probs, args, rng)
+            previous = int(ids[index])
+            generated.append(previous)
+            logprobs.append(float(np.log(probability)))
+            if previous in stops:
+                break
+        return generated, logprobs
+
+    def _successors(self, previous: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+        """The ids that may follow ``previous`` and their probabilities at temperature 1:
+        drawn from ``seed`` and ``previous`` alone (the model is fixed by its seed)."""
+        table = np.random.default_rng([self.seed, previous + 1])
+        picks = np.unique(table.integers(0, len(self._candidates), size=_SUCCESSORS))
+        logits = table.standard_normal(len(picks)) * 1.5
+        weights = np.exp(logits - logits.max())
+        ids = self._candidates[picks]
+        if not self._stops:
+            return ids, weights / weights.sum()
+        # The first stop id (a turn's end as the template writes it) has 1 / (mean_length
+        # + 1) of the mass: a geometric number of ids before it, mean_length on average.
+        stop_mass = 1.0 / (self.mean_length + 1)
+        probs = np.append(weights / weights.sum() * (1.0 - stop_mass), stop_mass)
+        return np.append(ids, self._stops[0]), probs
+
+    def _from_policy(
+        self,
+        request: InferenceRequest,
+        prompt_ids: list[int],
+        args: GenerationArgs,
+        rng: np.random.Generator,
+        limit: int,
+    ) -> tuple[list[int], list[float]]:
+        policy = self.policy
+        if policy is None:  # pragma: no cover - the caller checks
+            raise RuntimeError("no policy")
+        messages = request.prompt or [ChatMessage(role="user", content=self._decode(prompt_ids))]
+        completions, weights = policy(list(messages))
+        probs = np.asarray(weights, dtype=np.float64)
+        if len(completions) == 0 or probs.shape != (len(completions),) or probs.sum() <= 0:
+            msg = (
+                "the policy must return completions and as many non-negative weights, "
+                f"not all 0; got {len(completions)} completions and weights {weights!r:.60}"
+            )
+            raise ValueError(msg)
+        index, probability = _draw(probs / probs.sum(), args, rng)
+        ids = list(self.tokenizer.encode(completions[index], add_special_tokens=False))
+        ids += self._stops[:1]
+        logprob = float(np.log(probability)) / len(ids) if ids else 0.0
+        generated = ids[:limit]
+        return generated, [logprob] * len(generated)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return str(text)
+
+
+def _draw(
+    probs: npt.NDArray[np.float64], args: GenerationArgs, rng: np.random.Generator
+) -> tuple[int, float]:
+    """Pick an index as an engine samples a token: temperature, then top-k and top-p;
+    with its probability in the distribution sampled from (greedy: at temperature 1)."""
+    # Most probable first; a stable sort breaks ties by index.
+    order = np.argsort(-probs, kind="stable")
+    order = order[probs[order] > 0]
+    if args.temperature == 0.0:
+        return int(order[0]), float(probs[order[0]])
+    if args.top_k is not None and args.top_k != -1:
+        order = order[: args.top_k]
+    logits = np.log(probs[order])
+    if args.temperature is not None:
+        logits = logits / args.temperature
+    kept = np.exp(logits - logits.max())
+    kept /= kept.sum()
+    if args.top_p is not None:
+        # The smallest prefix whose mass reaches top_p (at least one candidate).
+        cut = int(np.searchsorted(np.cumsum(kept), args.top_p, side="left")) + 1
+        kept = kept[:cut] / kept[:cut].sum()
+        order = order[:cut]
+    chosen = int(rng.choice(len(order), p=kept))
+    return int(order[chosen]), float(kept[chosen])

@@ -1,6 +1,6 @@
 """Test doubles for testing your own agents and trainers, as :mod:`trio.testing` is for
-Trio code: a scripted agent, null inference backends and a scripted Pausable backend.
-See ``docs/testing.md``.
+Trio code: a scripted agent, null inference backends, a scripted Pausable backend, and a
+token-in backend over a real tokenizer's vocabulary. See ``docs/testing.md``.
 """
 
 from ._testing import GroupScript as GroupScript
@@ -8,6 +8,7 @@ from ._testing import NullChatInference as NullChatInference
 from ._testing import NullInference as NullInference
 from ._testing import ScriptedAgent as ScriptedAgent
 from ._testing import ScriptedPausable as ScriptedPausable
+from ._testing import VocabularyInference as VocabularyInference
 from ._testing import rollouts as rollouts
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "NullInference",
     "ScriptedAgent",
     "ScriptedPausable",
+    "VocabularyInference",
     "rollouts",
 ]

@@ -23,7 +23,13 @@ import attrs
 import trio
 
 from .._concurrency import flatten_exception_groups
-from .._episodes import TemplateBreakError, check_min_fidelity, check_renderer, takes_messages
+from .._episodes import (
+    TemplateBreakError,
+    check_min_fidelity,
+    check_renderer,
+    check_vocabulary,
+    takes_messages,
+)
 from .._messages import ChatMessage, GenerationArgs
 from .._models import Problem, TokenRollout
 from ..inference import InferenceError, InferenceInterface
@@ -357,7 +363,9 @@ async def serve(
     - ``generation_args``: the trainer's sampling; a request body fills only the fields
       it leaves unset (``temperature``, ``top_p``, ``max_tokens``, ...).
     - ``min_fidelity``: a backend whose turns would be less faithful is refused here,
-      with :class:`~trio_rollouts.TokenFidelityError`, before any session.
+      with :class:`~trio_rollouts.TokenFidelityError`, before any session; so is one
+      whose token ids are not the renderer's (``TypeError``: ``HFRenderer`` over the
+      embedded backend's code points), as :class:`~trio_rollouts.MultiTurnAgent` does.
     - ``on_break``: ``"split"`` (a new element, counted) or ``"raise"`` (the call gets a
       400 naming the break).
     - ``model``: the name ``/models`` lists (replies echo the request's ``model``).
@@ -373,6 +381,7 @@ async def serve(
     if not isinstance(inference, InferenceInterface):
         msg = f"inference must be an InferenceInterface, got {type(inference).__name__}"
         raise TypeError(msg)
+    check_vocabulary(renderer, inference, "serve()")
     if generation_args is None:
         generation_args = GenerationArgs()
     SessionState.open(inference, renderer, generation_args, on_break, model).check_fidelity(

@@ -23,6 +23,7 @@ from ._errors import RateLimitError as RateLimitError
 from ._errors import ServerError as ServerError
 from ._errors import TokenMismatchError as TokenMismatchError
 from ._errors import UnsupportedFieldError as UnsupportedFieldError
+from ._interface import CODE_POINTS as CODE_POINTS
 from ._interface import AcceptsTokens as AcceptsTokens
 from ._interface import GeneratesGroups as GeneratesGroups
 from ._interface import InferenceInterface as InferenceInterface
@@ -33,6 +34,7 @@ from ._interface import ReturnsRaw as ReturnsRaw
 from ._interface import ReturnsTokens as ReturnsTokens
 from ._interface import accepts_tokens as accepts_tokens
 from ._interface import render_plain_chat as render_plain_chat
+from ._interface import token_vocabulary as token_vocabulary
 from ._openai import DEFAULT_MAX_RETRIES as DEFAULT_MAX_RETRIES
 from ._openai import OpenAIInference as OpenAIInference
 from ._openai import OpenAIStatistics as OpenAIStatistics

@@ -41,6 +41,7 @@ from ._engine import (
     settle,
 )
 from ._interface import (
+    CODE_POINTS,
     AcceptsTokens,
     GeneratesGroups,
     InferenceInterface,
@@ -196,6 +197,8 @@ class EmbeddedInference(
 
     #: A cancelled call adds the tokens it had generated to its member's progress.
     reports_cancelled_progress: ClassVar[bool] = True
+    #: Its token ids are Unicode code points (PlainRenderer's ids).
+    token_vocabulary: ClassVar[str] = CODE_POINTS
 
     seed: int = attrs.field(default=0, validator=int_at_least(0))
     policy: Policy = attrs.field(

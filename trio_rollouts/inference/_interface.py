@@ -4,15 +4,16 @@ An :class:`InferenceInterface` turns an :class:`InferenceRequest` (a chat prompt
 generation arguments) into an :class:`InferenceResponse`. Backends subclass it, implement
 :meth:`InferenceInterface.base_generate`, and mix in the capability markers for what they
 can deliver: :class:`ReturnsRaw` (the full text the model saw plus what it generated),
-:class:`ReturnsTokens` (token ids) and :class:`ReturnsLogProbs` (token log-probabilities).
-Agents check the markers, not the backend's class.
+:class:`ReturnsTokens` (token ids, in the vocabulary its ``token_vocabulary`` names when it
+knows) and :class:`ReturnsLogProbs` (token log-probabilities). Agents check the markers,
+not the backend's class.
 """
 
 from __future__ import annotations
 
 import abc
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Final, Self
 
 import attrs
 import trio
@@ -23,6 +24,7 @@ from ._placement import call_progress
 from ._sampling import LogprobsMode
 
 __all__ = [
+    "CODE_POINTS",
     "AcceptsTokens",
     "GeneratesGroups",
     "InferenceInterface",
@@ -33,7 +35,13 @@ __all__ = [
     "ReturnsTokens",
     "accepts_tokens",
     "render_plain_chat",
+    "token_vocabulary",
 ]
+
+#: The token vocabulary whose id ``i`` is the character ``chr(i)``: Unicode code points
+#: (:class:`~trio_rollouts.inference.EmbeddedInference`'s tokens,
+#: :class:`~trio_rollouts.PlainRenderer`'s ids).
+CODE_POINTS: Final = "code_points"
 
 
 def _check_prompt(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -144,9 +152,24 @@ class ReturnsRaw:
 
 class ReturnsTokens:
     """Marker: the interface fills :attr:`InferenceResponse.token_ids` and
-    :attr:`InferenceResponse.prompt_length`."""
+    :attr:`InferenceResponse.prompt_length`.
+
+    :attr:`token_vocabulary` says what those ids (and the ``prompt_ids`` an
+    :class:`AcceptsTokens` backend takes) mean, when the backend knows it; a renderer
+    says the same of its ids (``Renderer.token_vocabulary``), and
+    :class:`~trio_rollouts.MultiTurnAgent` and the gateway refuse a renderer whose
+    vocabulary is not the backend's (:func:`token_vocabulary`)."""
 
     __slots__ = ()
+
+    @property
+    def token_vocabulary(self) -> str | None:
+        """What this backend's token ids are: :data:`CODE_POINTS`, a tokenizer's
+        vocabulary (``"hf:<digest>"``, see
+        :func:`~trio_rollouts.renderers.tokenizer_vocabulary`), or ``None`` (the
+        default) when the backend does not know (a server's model has whatever
+        tokenizer it was served with)."""
+        return None
 
 
 class ReturnsLogProbs(ReturnsTokens):
@@ -172,6 +195,12 @@ class AcceptsTokens(ReturnsTokens):
         """Whether this instance takes ``prompt_ids`` (``True`` unless the backend says
         otherwise)."""
         return True
+
+
+def token_vocabulary(interface: object) -> str | None:
+    """What ``interface``'s token ids are (:attr:`ReturnsTokens.token_vocabulary`), or
+    ``None`` when it returns none or does not know."""
+    return interface.token_vocabulary if isinstance(interface, ReturnsTokens) else None
 
 
 def accepts_tokens(interface: object) -> bool:

@@ -23,6 +23,7 @@ from ._families import TOOL_PARSERS as TOOL_PARSERS
 from ._families import Family as Family
 from ._families import detect as detect_family
 from .hf import HFRenderer as HFRenderer
+from .hf import tokenizer_vocabulary as tokenizer_vocabulary
 from .plain import PlainRenderer as PlainRenderer
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "Renderer",
     "ToolCall",
     "detect_family",
+    "tokenizer_vocabulary",
 ]

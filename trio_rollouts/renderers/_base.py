@@ -15,15 +15,18 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from .._messages import ChatMessage
+from .._messages import CHAT_ROLES, ChatMessage
 
 __all__ = [
     "AssistantTurn",
     "Renderer",
     "ToolCall",
     "assemble_turn",
+    "check_roles",
     "checked_ids",
+    "declared_roles",
     "refuse_assistant_messages",
+    "renderer_roles",
 ]
 
 
@@ -108,10 +111,22 @@ class Renderer(Protocol):
       assistant turn (appended after a turn cut by ``max_tokens``; may be empty when
       the template closes a turn with the next message's opening, as GLM's does).
 
+    A bridge whose new messages render to no text at all (a template that drops a role
+    it does not know) proves nothing the model will see: it is ``None``.
+
     A renderer of your own may leave out the ``messages`` keyword of ``bridge``:
     :class:`~trio_rollouts.MultiTurnAgent` then calls it without, and the proof is
-    whatever that renderer makes. It may also have ``call_id(turn, index) -> str``, the
-    id of a call the model wrote without one (default ``call_<turn>_<index>``).
+    whatever that renderer makes. It may also have
+
+    - ``call_id(turn, index) -> str``, the id of a call the model wrote without one
+      (default ``call_<turn>_<index>``);
+    - ``extra_roles``, the roles its template renders besides
+      :attr:`ChatMessage.ROLES <trio_rollouts.ChatMessage.ROLES>` (default none: a
+      message of another role is refused where an episode renders it);
+    - ``token_vocabulary``, what its ids are
+      (:data:`~trio_rollouts.inference.CODE_POINTS`, a tokenizer's vocabulary; default
+      ``None``, not declared): an agent refuses it over a backend whose
+      :attr:`~trio_rollouts.inference.ReturnsTokens.token_vocabulary` is another.
     """
 
     @property
@@ -152,6 +167,48 @@ def checked_ids(value: Iterable[object], what: str) -> list[int]:
             raise TypeError(msg)
         ids.append(token)
     return ids
+
+
+def declared_roles(value: object) -> tuple[str, ...]:
+    """A renderer's ``extra_roles`` as a tuple, declared to
+    :meth:`ChatMessage.declare_roles` so that messages may have them (``TypeError`` or
+    ``ValueError`` naming ``extra_roles`` for anything but role names)."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        msg = f"extra_roles must be a sequence of role names (str), got {value!r:.60}"
+        raise TypeError(msg)
+    roles = tuple(value)
+    try:
+        ChatMessage.declare_roles(roles)
+    except (TypeError, ValueError) as error:
+        msg = f"extra_roles: {error}"
+        raise type(error)(msg) from None
+    return roles
+
+
+def renderer_roles(renderer: object) -> tuple[str, ...]:
+    """The roles ``renderer`` renders: :attr:`ChatMessage.ROLES
+    <trio_rollouts.ChatMessage.ROLES>` and its ``extra_roles`` (none when it declares
+    none)."""
+    extra = getattr(renderer, "extra_roles", None) or ()
+    return CHAT_ROLES + tuple(role for role in extra if role not in CHAT_ROLES)
+
+
+def check_roles(renderer: object, messages: Sequence[ChatMessage], where: str) -> None:
+    """Every message has a role ``renderer`` renders (:func:`renderer_roles`): a
+    ``ValueError`` naming ``where[i].role``, the role, the renderer and its roles
+    otherwise."""
+    roles = renderer_roles(renderer)
+    for i, message in enumerate(messages):
+        if message.role not in roles:
+            allowed = ", ".join(map(repr, roles))
+            msg = (
+                f"{where}[{i}].role is {message.role!r}, which the renderer "
+                f"{type(renderer).__name__} does not render (its roles: {allowed}): its "
+                "template would drop the message or write it as something else. Send it "
+                "in one of those roles, or declare the role in the renderer's extra_roles "
+                "if its template renders it"
+            )
+            raise ValueError(msg)
 
 
 def refuse_assistant_messages(new_messages: Sequence[ChatMessage]) -> None:

@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -16,12 +16,13 @@ from ._base import (
     AssistantTurn,
     assemble_turn,
     checked_ids,
+    declared_roles,
     refuse_assistant_messages,
     remainder,
 )
 from ._families import REASONING_OPENINGS, REASONING_PARSERS, TOOL_PARSERS, Family, detect
 
-__all__ = ["HFRenderer"]
+__all__ = ["HFRenderer", "tokenizer_vocabulary"]
 
 #: The base conversations :meth:`HFRenderer.bridge` renders the new messages after when
 #: it is not given the conversation at hand (``messages=None``): the bridge is proved
@@ -59,6 +60,21 @@ _MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 #: Tool-call formats whose templates write a call's arguments as the JSON string they are
 #: given (DeepSeek's concatenate them); every other template is given an object.
 _STRING_ARGUMENTS = frozenset({"deepseek_v3", "deepseek_v31"})
+
+
+def tokenizer_vocabulary(tokenizer: Any) -> str | None:
+    """The fingerprint of a Hugging Face tokenizer's vocabulary: ``"hf:"`` and 16 hex
+    digits of a digest of its token-to-id map (added tokens included), so tokenizers
+    whose ids mean the same tokens (two sizes of one model family, one tokenizer loaded
+    twice) have the same; ``None`` for a tokenizer without ``get_vocab()``. What
+    :attr:`HFRenderer.token_vocabulary` is, and a backend served with that tokenizer
+    declares (:class:`~trio_rollouts.testing.VocabularyInference`)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocabulary = get_vocab() if callable(get_vocab) else None
+    if not isinstance(vocabulary, Mapping) or not vocabulary:
+        return None
+    text = json.dumps(sorted(vocabulary.items()), ensure_ascii=False)
+    return "hf:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _close_ids(value: Iterable[object]) -> list[int]:
@@ -128,6 +144,16 @@ class HFRenderer:
     off (also when the generation prompt opened it, as QwQ's and DeepSeek-R1's do) and
     reads the tool calls in the family's format.
 
+    **Roles.** ``extra_roles``: the roles the template renders besides ``system``,
+    ``user``, ``assistant`` and ``tool`` (Llama 3's ``"ipython"``, gpt-oss's
+    ``"developer"``), declared to :class:`~trio_rollouts.ChatMessage` when the renderer
+    is made; an episode refuses a message of any other role. A bridge whose new messages
+    the template renders as nothing at all (Phi-3.5's has no tool role) is ``None``.
+
+    **Vocabulary.** :attr:`token_vocabulary` is the tokenizer's
+    (:func:`tokenizer_vocabulary`): a backend whose ids are others (the embedded one's
+    code points) is refused with this renderer.
+
     The tokenizer (and its template) must not change once the renderer is made.
     """
 
@@ -137,6 +163,7 @@ class HFRenderer:
         default=AUTO, kw_only=True, validator=_check_reasoning_parser
     )
     eos_token_ids: tuple[int, ...] = attrs.field(default=(), kw_only=True, converter=_eos_token_ids)
+    extra_roles: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=declared_roles)
     family: Family | None = attrs.field(init=False)
     _close_ids: list[int] = attrs.field(kw_only=True, converter=_close_ids, alias="close_ids")
     _stop_token_ids: list[int] = attrs.field(
@@ -145,9 +172,11 @@ class HFRenderer:
     _tools_format: str = attrs.field(init=False, repr=False)
     _reasoning_format: str | None = attrs.field(init=False, repr=False)
     _reasoning_opened: bool = attrs.field(init=False, repr=False)
-    _bases: dict[str, tuple[tuple[int, ...], ...]] = attrs.field(
+    _bases: dict[str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]] = attrs.field(
         init=False, factory=dict, repr=False
     )
+    # The tokenizer's vocabulary fingerprint, once worked out (a digest of the whole map).
+    _vocabulary: list[str | None] = attrs.field(init=False, factory=list, repr=False)
 
     @family.default
     def _detect_family(self) -> Family | None:
@@ -226,6 +255,7 @@ class HFRenderer:
         stop_token_ids: Sequence[int] | None = None,
         tool_parser: str = AUTO,
         reasoning_parser: str | None = AUTO,
+        extra_roles: Sequence[str] = (),
         **kwargs: Any,
     ) -> HFRenderer:
         """The renderer of ``transformers.AutoTokenizer.from_pretrained(path, **kwargs)``
@@ -248,12 +278,20 @@ class HFRenderer:
             tool_parser=tool_parser,
             reasoning_parser=reasoning_parser,
             eos_token_ids=_generation_eos_ids(transformers, path, kwargs),
+            extra_roles=tuple(extra_roles),
             **overrides,
         )
 
     @property
     def stop_token_ids(self) -> list[int]:
         return list(self._stop_token_ids)
+
+    @property
+    def token_vocabulary(self) -> str | None:
+        """The tokenizer's vocabulary (:func:`tokenizer_vocabulary`), worked out once."""
+        if not self._vocabulary:
+            self._vocabulary.append(tokenizer_vocabulary(self.tokenizer))
+        return self._vocabulary[0]
 
     def call_id(self, turn: int, index: int) -> str:
         """The id of a call the model wrote without one: ``call_<turn>_<index>``, or for
@@ -303,18 +341,22 @@ class HFRenderer:
         """
         refuse_assistant_messages(new_messages)
         if messages is not None:
-            conversation = [self._template_message(m) for m in [*messages, *new_messages]]
+            before = [self._template_message(m) for m in messages]
+            conversation = before + [self._template_message(m) for m in new_messages]
             try:
                 full = self._template(conversation, tools, True)
             except ValueError:
                 return None
             rest = remainder(self.decode(previous_ids), full)
-            return None if rest is None else self.encode(rest)
+            if rest is None or (new_messages and self._drops(before, tools, full)):
+                return None
+            return self.encode(rest)
         close = self._close_ids
         if not close or list(previous_ids[max(len(previous_ids) - len(close), 0) :]) != close:
             return None
         bridges = []
-        for base, cut in zip(_BRIDGE_BASES, self._base_cuts(tools), strict=True):
+        renders = self._base_renders(tools)
+        for base, (cut, _) in zip(_BRIDGE_BASES, renders, strict=True):
             if not cut:
                 return None
             full_ids = self.render([*base, *new_messages], tools=tools)
@@ -323,7 +365,21 @@ class HFRenderer:
             bridges.append(full_ids[len(cut) :])
         if any(bridge != bridges[0] for bridge in bridges):
             return None
+        if new_messages and tuple(bridges[0]) == renders[0][1]:
+            return None  # the new messages render to nothing: no more than the prompt
         return bridges[0]
+
+    def _drops(
+        self, before: list[dict[str, Any]], tools: list[dict[str, Any]] | None, full: str
+    ) -> bool:
+        """Whether new messages after ``before`` rendered to no text: ``full`` (the
+        render with them) is the render without them. One more template render per
+        bridge (``benchmarks/bridge.py``, Qwen2.5's template, 8 turns from 2,048 ids:
+        about 160 of 860 µs per turn; the decode of the episode's ids costs more)."""
+        try:
+            return self._template(before, tools, True) == full
+        except ValueError:
+            return False  # refused without them: they rendered something
 
     def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
         ids = list(completion_ids)
@@ -428,29 +484,36 @@ class HFRenderer:
             close.append(token)
         return close
 
-    def _base_cuts(self, tools: list[dict[str, Any]] | None) -> tuple[tuple[int, ...], ...]:
-        """Each base's render (no generation prompt) cut just after its last ``close_ids``
-        (empty if they are not there), kept per tools value."""
+    def _base_renders(
+        self, tools: list[dict[str, Any]] | None
+    ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """Per base: its render (no generation prompt) cut just after its last
+        ``close_ids`` (empty if they are not there), and the bridge of no message after
+        that cut (the rest of its render with the generation prompt; empty if that does
+        not extend the cut); kept per tools value."""
         try:
             key: str | None = json.dumps(tools, sort_keys=True)
         except (TypeError, ValueError):
             key = None  # not JSON: computed every time
         if key is not None and key in self._bases:
             return self._bases[key]
+        renders: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         try:
-            cuts = tuple(
-                _cut_after_last(
+            for base in _BRIDGE_BASES:
+                cut = _cut_after_last(
                     self.render(base, tools=tools, add_generation_prompt=False), self._close_ids
                 )
-                for base in _BRIDGE_BASES
-            )
+                prompted = self.render(base, tools=tools)
+                extends = bool(cut) and tuple(prompted[: len(cut)]) == cut
+                renders.append((cut, tuple(prompted[len(cut) :]) if extends else ()))
         except ValueError:
-            cuts = ((), ())
+            renders = [((), ()), ((), ())]
+        result = tuple(renders)
         if key is not None:
             if len(self._bases) >= _BASE_CACHE_SIZE:
                 self._bases.clear()
-            self._bases[key] = cuts
-        return cuts
+            self._bases[key] = result
+        return result
 
     def _template_message(self, message: ChatMessage) -> dict[str, Any]:
         """A message as this family's template reads it (see the class docstring)."""

@@ -10,8 +10,15 @@ from typing import Any
 import attrs
 
 from .._messages import ChatMessage
+from ..inference._interface import CODE_POINTS
 from . import hermes
-from ._base import AssistantTurn, assemble_turn, refuse_assistant_messages, remainder
+from ._base import (
+    AssistantTurn,
+    assemble_turn,
+    declared_roles,
+    refuse_assistant_messages,
+    remainder,
+)
 from ._think import split
 
 __all__ = ["PlainRenderer"]
@@ -32,7 +39,25 @@ class PlainRenderer:
     ``</tool_call>``: a turn the model wrote in that form bridges, any other is a break.
     No token ends a turn (``stop_token_ids == close_ids == []``): the bridge after a turn
     is ``"\\n"``, the new messages, and the generation prompt.
+
+    ``extra_roles``: roles to render besides ``system``, ``user``, ``assistant`` and
+    ``tool`` (the layout writes any role as ``<|role|>``); they are declared to
+    :class:`~trio_rollouts.ChatMessage` when the renderer is made.
+    :attr:`token_vocabulary` is :data:`~trio_rollouts.inference.CODE_POINTS` (unless a
+    subclass encodes otherwise), as :class:`~trio_rollouts.inference.EmbeddedInference`'s.
     """
+
+    extra_roles: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=declared_roles)
+
+    @property
+    def token_vocabulary(self) -> str | None:
+        """:data:`~trio_rollouts.inference.CODE_POINTS`; ``None`` (not declared) for a
+        subclass whose ``encode`` or ``decode`` is its own (a tokenizer's ids in this
+        layout): such a subclass declares its own."""
+        cls = type(self)
+        if cls.encode is PlainRenderer.encode and cls.decode is PlainRenderer.decode:
+            return CODE_POINTS
+        return None
 
     @property
     def stop_token_ids(self) -> list[int]:
