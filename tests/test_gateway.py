@@ -297,6 +297,30 @@ async def test_errors_are_in_the_openai_shape() -> None:
     assert "closed" in error_of(closed)["message"]
 
 
+async def test_a_developer_message_is_the_system_message_unless_the_renderer_has_the_role() -> None:
+    """The openai SDK sends "developer" for the system message to newer models: rendered
+    as the system message (not dropped, not an error) by a renderer without the role."""
+    body = (
+        b'{"messages": [{"role": "developer", "content": "Be brief."},'
+        b' {"role": "user", "content": "x"}]}'
+    )
+    with trio.fail_after(LIMIT):
+        async with serve(backend(), R) as gw, gw.session(PROBLEM) as session:
+            reply = await raw("POST", session.base_url + "/chat/completions", body=body)
+    assert reply.status_code == 200, reply.text
+    rollout = session.rollout(reward=1.0)
+    assert R.decode(rollout.trajectory[0]).startswith(
+        R.decode(
+            R.render(
+                [
+                    ChatMessage(role="system", content="Be brief."),
+                    ChatMessage(role="user", content="x"),
+                ]
+            )
+        )
+    )
+
+
 async def test_the_api_key_is_checked_before_routing() -> None:
     with trio.fail_after(LIMIT):
         async with serve(backend(), R, api_key="s3cret") as gw, gw.session(PROBLEM) as session:

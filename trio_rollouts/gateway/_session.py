@@ -148,9 +148,15 @@ def parse_messages(value: object) -> list[ChatMessage]:
             msg = f"{where} must be an object, got {message!r:.80}"
             raise GatewayError(400, msg)
         role = message.get("role")
-        if role not in _ROLES:
+        if role not in _ROLES and role not in ChatMessage.allowed_roles():
             msg = f"{where}.role must be one of {sorted(_ROLES)}, got {role!r:.40}"
             raise GatewayError(400, msg)
+        if role == "developer" and role not in ChatMessage.allowed_roles():
+            # OpenAI's newer name for the system message (the SDKs send it for some
+            # models): a template without a developer role renders it as system (most
+            # drop an unknown role without a word); a renderer that renders "developer"
+            # declares it (extra_roles) and gets it as it is.
+            role = "system"
         extra: dict[str, Any] = {}
         for key in _MESSAGE_KEYS:
             item = message.get(key)
