@@ -43,6 +43,7 @@ from .inference import (
     ReturnsRaw,
     WeightUpdateMode,
 )
+from .inference._sampling import sample_index
 from .renderers import tokenizer_vocabulary
 
 #: What :class:`ScriptedAgent` runs for each group: ``await script(agent, request)``
@@ -516,7 +517,7 @@ class VocabularyInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accep
         stops = self._stops
         while len(generated) < limit:
             ids, probs = self._successors(previous)
-            index, probability = _draw(probs, args, rng)
+            index, probability = sample_index(probs, args, rng)
             previous = int(ids[index])
             generated.append(previous)
             logprobs.append(float(np.log(probability)))
@@ -560,7 +561,7 @@ class VocabularyInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accep
                 f"not all 0; got {len(completions)} completions and weights {weights!r:.60}"
             )
             raise ValueError(msg)
-        index, probability = _draw(probs / probs.sum(), args, rng)
+        index, probability = sample_index(probs / probs.sum(), args, rng)
         ids = list(self.tokenizer.encode(completions[index], add_special_tokens=False))
         ids += self._stops[:1]
         logprob = float(np.log(probability)) / len(ids) if ids else 0.0
@@ -572,29 +573,3 @@ class VocabularyInference(InferenceInterface, ReturnsRaw, ReturnsLogProbs, Accep
             list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
         return str(text)
-
-
-def _draw(
-    probs: npt.NDArray[np.float64], args: GenerationArgs, rng: np.random.Generator
-) -> tuple[int, float]:
-    """Pick an index as an engine samples a token: temperature, then top-k and top-p;
-    with its probability in the distribution sampled from (greedy: at temperature 1)."""
-    # Most probable first; a stable sort breaks ties by index.
-    order = np.argsort(-probs, kind="stable")
-    order = order[probs[order] > 0]
-    if args.temperature == 0.0:
-        return int(order[0]), float(probs[order[0]])
-    if args.top_k is not None and args.top_k != -1:
-        order = order[: args.top_k]
-    logits = np.log(probs[order])
-    if args.temperature is not None:
-        logits = logits / args.temperature
-    kept = np.exp(logits - logits.max())
-    kept /= kept.sum()
-    if args.top_p is not None:
-        # The smallest prefix whose mass reaches top_p (at least one candidate).
-        cut = int(np.searchsorted(np.cumsum(kept), args.top_p, side="left")) + 1
-        kept = kept[:cut] / kept[:cut].sum()
-        order = order[:cut]
-    chosen = int(rng.choice(len(order), p=kept))
-    return int(order[chosen]), float(kept[chosen])

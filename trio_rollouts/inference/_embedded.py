@@ -61,7 +61,7 @@ from ._placement import (
     current_call,
 )
 from ._salt import CacheSalt, check_cache_salt, new_run_id, salt_of
-from ._sampling import choice_seed
+from ._sampling import choice_seed, sample_index
 
 __all__ = [
     "EmbeddedInference",
@@ -485,7 +485,7 @@ class EmbeddedInference(
         """``(completion, generated, probability)``: the completion drawn, the part of
         it generated (``max_tokens``), and its probability as sampled."""
         completions, probs = self._distribution(messages)
-        index, probability = _sample(probs, args, rng)
+        index, probability = sample_index(probs, args, rng)
         completion = completions[index]
         max_tokens = args.max_tokens
         generated = completion if max_tokens is None else completion[:max_tokens]
@@ -856,33 +856,3 @@ def _stamp(policy_epoch: list[tuple[int, int]], k: int, epoch: int) -> None:
 #: Marks a request's own seed in the entropy of its random stream (an unseeded
 #: request's stream has the per-prompt counter in that place instead).
 _SEEDED: Final = 0x5EED
-
-
-def _sample(
-    probs: npt.NDArray[np.float64], args: GenerationArgs, rng: np.random.Generator
-) -> tuple[int, float]:
-    """Pick a completion index as an engine samples a token: temperature, top-k, top-p;
-    with the probability it had in the distribution sampled from (processed)."""
-    # Most probable first; a stable sort breaks ties by index.
-    order = np.argsort(-probs, kind="stable")
-    order = order[probs[order] > 0]
-    if args.temperature == 0.0:
-        # Greedy: vLLM scores greedy requests at temperature 1 in either logprobs mode.
-        return int(order[0]), float(probs[order[0]])
-    if args.top_k is not None and args.top_k != -1:
-        order = order[: args.top_k]
-    logits = np.log(probs[order])
-    if args.temperature is not None:
-        logits = logits / args.temperature
-    kept = np.exp(logits - logits.max())
-    kept /= kept.sum()
-    if args.top_p is not None:
-        # The smallest prefix whose mass reaches top_p (at least one candidate).
-        cut = int(np.searchsorted(np.cumsum(kept), args.top_p, side="left")) + 1
-        kept = kept[:cut] / kept[:cut].sum()
-        order = order[:cut]
-    chosen = int(rng.choice(len(order), p=kept))
-    index = int(order[chosen])
-    if args.temperature in (None, 1.0) and args.top_k in (None, -1) and args.top_p in (None, 1.0):
-        return index, float(probs[index])  # nothing processed: the policy's own, exactly
-    return index, float(kept[chosen])

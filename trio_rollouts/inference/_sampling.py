@@ -16,6 +16,10 @@ import json
 from typing import Final, Literal, TypeAlias
 
 import attrs
+import numpy as np
+import numpy.typing as npt
+
+from .._messages import GenerationArgs
 
 __all__ = [
     "LOGPROBS_MODES",
@@ -24,6 +28,7 @@ __all__ = [
     "choice_seed",
     "continuation_seed",
     "derive_seed",
+    "sample_index",
 ]
 
 #: Which log-probabilities a server returns: ``"processed"`` (what the sampler drew
@@ -84,3 +89,33 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     if seed is None or choice == 0:
         return seed
     return (seed + choice) & _SEED_MASK
+
+
+def sample_index(
+    probs: npt.NDArray[np.float64], args: GenerationArgs, rng: np.random.Generator
+) -> tuple[int, float]:
+    """Pick a completion index as an engine samples a token: temperature, top-k, top-p;
+    with the probability it had in the distribution sampled from (processed)."""
+    # Most probable first; a stable sort breaks ties by index.
+    order = np.argsort(-probs, kind="stable")
+    order = order[probs[order] > 0]
+    if args.temperature == 0.0:
+        # Greedy: vLLM scores greedy requests at temperature 1 in either logprobs mode.
+        return int(order[0]), float(probs[order[0]])
+    if args.top_k is not None and args.top_k != -1:
+        order = order[: args.top_k]
+    logits = np.log(probs[order])
+    if args.temperature is not None:
+        logits = logits / args.temperature
+    kept = np.exp(logits - logits.max())
+    kept /= kept.sum()
+    if args.top_p is not None:
+        # The smallest prefix whose mass reaches top_p (at least one candidate).
+        cut = int(np.searchsorted(np.cumsum(kept), args.top_p, side="left")) + 1
+        kept = kept[:cut] / kept[:cut].sum()
+        order = order[:cut]
+    chosen = int(rng.choice(len(order), p=kept))
+    index = int(order[chosen])
+    if args.temperature in (None, 1.0) and args.top_k in (None, -1) and args.top_p in (None, 1.0):
+        return index, float(probs[index])  # nothing processed: the policy's own, exactly
+    return index, float(kept[chosen])
