@@ -43,9 +43,9 @@ _roles: dict[str, None] = dict.fromkeys(CHAT_ROLES)
 
 
 def _check_role(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    _check_str(instance, attribute, value)
-    if value in _roles:
+    if isinstance(value, str) and value in _roles:
         return
+    _check_str(instance, attribute, value)
     allowed = ", ".join(map(repr, _roles))
     msg = (
         f"role must be one of {allowed} (or a role a renderer declares in its extra_roles), "

@@ -367,7 +367,7 @@ def _completion(
         # A reply that only calls tools has null content.
         content = _optional_str(message, "content", f"{where}.message") or ""
         role = _optional_str(message, "role", f"{where}.message") or "assistant"
-        if role not in ChatMessage.allowed_roles():
+        if role != "assistant" and role not in ChatMessage.allowed_roles():
             msg = f"{where}.message.role is {role!r:.40}, not a chat role"
             raise BadField(msg)
         extra = {key: message[key] for key in _MESSAGE_EXTRA_KEYS if message.get(key)}
