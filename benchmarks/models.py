@@ -27,7 +27,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter
 
 from trio_rollouts import RolloutGroup, TokenRollout
-from trio_rollouts._convert import structure, unstructure
+from trio_rollouts.models._convert import structure, unstructure
 
 ROLLOUTS = 64
 TOKENS = 1024

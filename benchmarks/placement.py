@@ -39,7 +39,7 @@ always land together). The columns:
 - ``placed alike``: each setting runs twice with the same seeds; ``yes`` when the
   per-replica statistics and the virtual time of the two runs are equal and so is the
   sequence of placement decisions ``(group, episode, replica)`` (recorded through a
-  ``Placement`` subclass put in ``trio_rollouts.inference._embedded``, a private hook:
+  ``Placement`` subclass put in ``trio_rollouts.inference.embedded._backend``, a private hook:
   when the library moves it, only the statistics are compared). The ways two runs
   differ are printed under the table.
 
@@ -195,7 +195,7 @@ Decision = tuple[Hashable, int | None, int]
 def recording_hook() -> tuple[Any, list[list[Decision]]] | None:
     """A ``Placement`` subclass that records each decision, and the list it appends each
     run's decisions to, when the library's private placement hook is where this script
-    expects it (``trio_rollouts.inference._embedded.Placement``); ``None`` otherwise."""
+    expects it (``trio_rollouts.inference.embedded._backend.Placement``); ``None`` otherwise."""
     try:
         from trio_rollouts.inference._placement import Placement
     except ImportError:

@@ -20,7 +20,7 @@ import attrs
 import trio
 
 import trio_rollouts as tr
-from trio_rollouts._draws import current_draws
+from trio_rollouts.prompts._draws import current_draws
 from trio_rollouts.testing import NullInference
 
 sys.path.insert(0, os.path.dirname(__file__))

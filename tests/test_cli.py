@@ -23,9 +23,9 @@ from click.testing import Result
 from rich.console import Console
 
 import trio_rollouts as tr
-from trio_rollouts._demo import DemoConfig, run_demo
 from trio_rollouts.cli import EXIT_TERMINATED, main
 from trio_rollouts.cli._common import Terminated, one_line, run
+from trio_rollouts.cli._demo import DemoConfig, run_demo
 from trio_rollouts.cli._progress import RetryReasons, RunProgress, rate_text
 from trio_rollouts.cli.demo import plot_install_hint
 from trio_rollouts.inference import InferenceTimeoutError, ServerError

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 import trio_rollouts as tr
-from trio_rollouts._evaluation import Problem
+from trio_rollouts.agents._evaluation import Problem
 from trio_rollouts.envs._preference import (
     BestWorstContrastiveGenerator,
     HeadToHeadResult,

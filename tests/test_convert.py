@@ -26,7 +26,7 @@ from trio_rollouts import (
     RolloutGroup,
     TokenRollout,
 )
-from trio_rollouts._convert import (
+from trio_rollouts.models._convert import (
     ValidationError,
     dump_jsonl,
     load_jsonl,

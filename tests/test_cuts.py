@@ -21,9 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_rollouts as tr
-from trio_rollouts._cuts import GroupCall, current_group_call, run_members
-from trio_rollouts._gate import call_start_epoch
-from trio_rollouts._ledger import Ledger
 from trio_rollouts.envs import CalculatorEnvironment
 from trio_rollouts.inference import (
     EmbeddedInference,
@@ -32,6 +29,9 @@ from trio_rollouts.inference import (
     LatencyModel,
 )
 from trio_rollouts.inference._placement import call_progress
+from trio_rollouts.pipeline._cuts import GroupCall, current_group_call, run_members
+from trio_rollouts.pipeline._epochs import call_start_epoch
+from trio_rollouts.pipeline._ledger import Ledger
 from trio_rollouts.renderers import PlainRenderer
 from trio_rollouts.testing import ScriptedAgent
 

@@ -32,7 +32,7 @@ from _cli_helpers import groups_in, invoke, lines
 from click.testing import Result
 
 import trio_rollouts as tr
-from trio_rollouts._demo import (
+from trio_rollouts.cli._demo import (
     DemoCheckpointMismatch,
     DemoConfig,
     DemoResult,

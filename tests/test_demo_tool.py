@@ -20,7 +20,7 @@ from _cli_helpers import error_lines, invoke
 from click.testing import Result
 
 import trio_rollouts as tr
-from trio_rollouts._demo import ToolDemoConfig, ToolDemoResult, ToolStepMetrics, run_tool_demo
+from trio_rollouts.cli._demo import ToolDemoConfig, ToolDemoResult, ToolStepMetrics, run_tool_demo
 
 #: A tool demo that learns in about a second of wall time.
 SMALL = {"steps": 10, "groups_per_step": 2, "num_problems": 8, "learning_rate": 3.0}

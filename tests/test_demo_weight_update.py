@@ -21,7 +21,7 @@ from _cli_helpers import invoke
 from click.testing import Result
 
 import trio_rollouts as tr
-from trio_rollouts._demo import AnswerTablePolicy, DemoConfig, DemoResult, run_demo
+from trio_rollouts.cli._demo import AnswerTablePolicy, DemoConfig, DemoResult, run_demo
 from trio_rollouts.inference import WeightUpdateMode
 
 MODES: list[WeightUpdateMode] = ["drain", "restart", "keep", "abort"]

@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trio_rollouts as tr
-from trio_rollouts._convert import structure, unstructure
-from trio_rollouts._evaluation import (
+from trio_rollouts.agents._evaluation import (
     PassAtKEvaluationAgent,
     PassAtKEvaluationResponse,
     PassAtKResult,
@@ -24,9 +23,10 @@ from trio_rollouts._evaluation import (
     pass_at_k,
     shard_indices,
 )
-from trio_rollouts._models import Problem
-from trio_rollouts._multitask import WeightedMultiTask, WeightedTask
+from trio_rollouts.agents._multitask import WeightedMultiTask, WeightedTask
 from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.models._convert import structure, unstructure
+from trio_rollouts.models._records import Problem
 from trio_rollouts.testing import ScriptedAgent, rollouts
 
 # ------------------------------------------------------------------------ pass@k

@@ -28,8 +28,9 @@ from _raw_http_server import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_rollouts.inference import Timeout, _lean_http
-from trio_rollouts.inference._lean_http import (
+from trio_rollouts.inference import Timeout
+from trio_rollouts.inference.http import _pool as _lean_http
+from trio_rollouts.inference.http._pool import (
     ConnectError,
     ConnectionPool,
     ConnectTimeout,

@@ -16,8 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trio_rollouts as tr
-from trio_rollouts._convert import structure, unstructure
-from trio_rollouts._multitask import (
+from trio_rollouts.agents._multitask import (
     MultiTaskEvaluationResponse,
     WeightedMultiTask,
     WeightedTask,
@@ -25,6 +24,7 @@ from trio_rollouts._multitask import (
     _WeightedSequence,
     batch_splits,
 )
+from trio_rollouts.models._convert import structure, unstructure
 from trio_rollouts.testing import NullInference, ScriptedAgent, rollouts
 
 

@@ -52,8 +52,8 @@ from trio_rollouts.inference import (
     Timeout,
     render_plain_chat,
 )
-from trio_rollouts.inference._parse import retry_after as _retry_after
-from trio_rollouts.inference._transport import HTTPXTransport, LeanTransport, Transport
+from trio_rollouts.inference.http._transport import HTTPXTransport, LeanTransport, Transport
+from trio_rollouts.inference.openai._parse import retry_after as _retry_after
 
 #: No waiting between attempts: these tests count attempts, not seconds.
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)

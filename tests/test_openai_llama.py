@@ -23,7 +23,7 @@ from trio_rollouts.inference import (
 
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
 PROMPT = 5.0
-NEGOTIATION_LOGGER = "trio_rollouts.inference._negotiation"
+NEGOTIATION_LOGGER = "trio_rollouts.inference.openai._negotiation"
 
 
 def make(url: str, **kwargs: Any) -> OpenAIInference:

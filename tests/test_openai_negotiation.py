@@ -35,11 +35,11 @@ from trio_rollouts.inference import (
     RetryBackoff,
     UnsupportedFieldError,
 )
-from trio_rollouts.inference._negotiation import named_fields
+from trio_rollouts.inference.openai._negotiation import named_fields
 
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
 PROMPT = 5.0
-NEGOTIATION_LOGGER = "trio_rollouts.inference._negotiation"
+NEGOTIATION_LOGGER = "trio_rollouts.inference.openai._negotiation"
 
 #: A text-only server that returns log-probabilities but knows nothing of token ids.
 WITH_LOGPROBS = CORE_FIELDS | {"logprobs"}

@@ -37,7 +37,7 @@ from trio_rollouts.inference import (
 )
 from trio_rollouts.inference._placement import call_episode, call_group
 from trio_rollouts.inference._sampling import choice_seed, continuation_seed
-from trio_rollouts.inference._transport import LeanTransport
+from trio_rollouts.inference.http._transport import LeanTransport
 
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
 DEFAULTS: dict[str, Any] = {

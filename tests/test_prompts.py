@@ -259,7 +259,7 @@ def test_reward_only_agent_needs_prompts_or_get_prompt() -> None:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from trio_rollouts._draws import current_draws  # noqa: E402
+from trio_rollouts.prompts._draws import current_draws  # noqa: E402
 
 NUM_PROBLEMS = 7
 EPOCHS = 2

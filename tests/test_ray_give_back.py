@@ -1,6 +1,6 @@
 """The actor's side of the Ray stream's staleness bound, without Ray: a rollout actor gives
 the groups the merge found too old back to its stream with ``put_back`` and
-``return_stale`` (``trio_rollouts._stream``), exactly as here.
+``return_stale`` (``trio_rollouts.pipeline._stream``), exactly as here.
 
 A group given back as stale is generated again in its own slot before any other slot
 (ledger: ``stale``), its prompt draw is given back (drawn again first, never settled),
@@ -17,7 +17,7 @@ from _fakes import request
 
 import trio_rollouts as tr
 from trio_rollouts import Problem, PromptSource
-from trio_rollouts._stream import put_back, return_stale, settle_handed, settle_on_handover
+from trio_rollouts.pipeline._stream import put_back, return_stale, settle_handed, settle_on_handover
 from trio_rollouts.testing import ScriptedAgent, rollouts
 
 

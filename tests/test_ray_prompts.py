@@ -1,7 +1,7 @@
 """Prompts on Ray: each actor owns a shard of the run's PromptSource, and the merged
 state restores all of them, so a run killed and restarted from its checkpoint takes every
 prompt of every epoch exactly once (DESIGN.md, "Resumable runs"; invariant 6 of
-``trio_rollouts._ray._merge``).
+``trio_rollouts.ray._merge``).
 
 One local Ray cluster (2 CPUs) serves the module, as in ``test_ray.py``; the agents live
 in this module and the cluster's workers import it. Skipped when Ray is not installed.
@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 import trio_rollouts as tr  # noqa: E402
 from trio_rollouts import Problem, PromptSource  # noqa: E402
-from trio_rollouts._draws import current_draws  # noqa: E402
+from trio_rollouts.prompts._draws import current_draws  # noqa: E402
 from trio_rollouts.ray import (  # noqa: E402
     RolloutActor,
     blocking_ray_rollouts,

@@ -1,4 +1,4 @@
-"""The staleness bound on the Ray stream (invariant 7 of ``trio_rollouts._ray._merge``).
+"""The staleness bound on the Ray stream (invariant 7 of ``trio_rollouts.ray._merge``).
 
 With ``max_staleness=K``, no group is handed to the consumer with ``policy_epoch -
 start_epoch > K``, wherever it waited: in the merge's prefetch, or kept by a timed-out

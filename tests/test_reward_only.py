@@ -13,8 +13,7 @@ import trio
 import trio.testing
 
 import trio_rollouts as tr
-from trio_rollouts._models import Problem
-from trio_rollouts._reward_only import (
+from trio_rollouts.agents._reward_only import (
     REWARD_FUNCTIONS,
     RewardOnlyAgent,
     contains_reward,
@@ -29,6 +28,7 @@ from trio_rollouts.inference import (
     LatencyModel,
     render_plain_chat,
 )
+from trio_rollouts.models._records import Problem
 
 PROBLEM = Problem(problem_id="p1", prompt="What is 2 + 2?", answer=4)
 STEADY = LatencyModel(first_token=1.0, per_token=1.0, distribution="constant")

@@ -33,8 +33,6 @@ from hypothesis import given, settings
 
 import trio_rollouts as tr
 from trio_rollouts import GenerationArgs, SamplingSpan, TokenRollout
-from trio_rollouts._draws import Draw, current_draws
-from trio_rollouts._sampling import request_seed
 from trio_rollouts.inference import (
     EmbeddedInference,
     InferenceConnectionError,
@@ -46,6 +44,8 @@ from trio_rollouts.inference import (
     render_plain_chat,
 )
 from trio_rollouts.inference._sampling import continuation_seed, derive_seed
+from trio_rollouts.pipeline._sampling import request_seed
+from trio_rollouts.prompts._draws import Draw, current_draws
 
 WORKER = pathlib.Path(__file__).with_name("_sampling_worker.py")
 STEADY = LatencyModel(first_token=1.0, per_token=1.0, distribution="constant")

@@ -581,7 +581,7 @@ def test_torch_is_not_needed() -> None:
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         from trio_rollouts import RolloutGroup, TokenRollout
-        from trio_rollouts._training import TrainingBatch
+        from trio_rollouts.models._training import TrainingBatch
         rollout = TokenRollout(
             trajectory=[[1, 2, 3]], reward=1.0, generation_mask=[[False, True, True]]
         )

@@ -216,7 +216,7 @@ async def test_a_pipeline_retry_of_a_group_is_not_a_client_retry(
 
 # --------------------------------------------------------------------------- skipped groups
 
-SKIP_LOGGER = "trio_rollouts._failure"
+SKIP_LOGGER = "trio_rollouts.pipeline._failure"
 
 
 def skipped_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -1,5 +1,5 @@
 """``python -m trio_rollouts``: the ``trio-rollouts`` command line."""
 
-from .cli import main
+from trio_rollouts.cli import main
 
 main()

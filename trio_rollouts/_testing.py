@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from . import (
+from trio_rollouts import (
     ChatMessage,
     GenerationArgs,
     GroupedRolloutGenerator,
@@ -30,8 +30,8 @@ from . import (
     Rollout,
     TokenRollout,
 )
-from ._checks import int_at_least, non_negative_seconds
-from .inference import (
+from trio_rollouts._checks import int_at_least, non_negative_seconds
+from trio_rollouts.inference import (
     WEIGHT_UPDATE_MODES,
     AcceptsTokens,
     InferenceInterface,
@@ -43,8 +43,8 @@ from .inference import (
     ReturnsRaw,
     WeightUpdateMode,
 )
-from .inference._sampling import sample_index
-from .renderers import tokenizer_vocabulary
+from trio_rollouts.inference._sampling import sample_index
+from trio_rollouts.renderers import tokenizer_vocabulary
 
 #: What :class:`ScriptedAgent` runs for each group: ``await script(agent, request)``
 #: returns the group's rollouts.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._tracing import state
+from trio_rollouts.pipeline._tracing import state
 
 __all__ = ["instrument", "is_instrumented", "uninstrument"]
 

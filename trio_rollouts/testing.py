@@ -3,13 +3,13 @@ Trio code: a scripted agent, null inference backends, a scripted Pausable backen
 token-in backend over a real tokenizer's vocabulary. See ``docs/testing.md``.
 """
 
-from ._testing import GroupScript as GroupScript
-from ._testing import NullChatInference as NullChatInference
-from ._testing import NullInference as NullInference
-from ._testing import ScriptedAgent as ScriptedAgent
-from ._testing import ScriptedPausable as ScriptedPausable
-from ._testing import VocabularyInference as VocabularyInference
-from ._testing import rollouts as rollouts
+from trio_rollouts._testing import GroupScript as GroupScript
+from trio_rollouts._testing import NullChatInference as NullChatInference
+from trio_rollouts._testing import NullInference as NullInference
+from trio_rollouts._testing import ScriptedAgent as ScriptedAgent
+from trio_rollouts._testing import ScriptedPausable as ScriptedPausable
+from trio_rollouts._testing import VocabularyInference as VocabularyInference
+from trio_rollouts._testing import rollouts as rollouts
 
 __all__ = [
     "GroupScript",

@@ -41,7 +41,7 @@ import trio
 
 from trio_rollouts import ChatMessage, GenerationArgs
 from trio_rollouts.inference import InferenceRequest, InferenceResponse, OpenAIInference
-from trio_rollouts.inference._control import control_root
+from trio_rollouts.inference.openai._control import control_root
 
 #: Tokens of the long calls (the tiny model makes about 600 a second on 2 cores).
 LONG = 300

@@ -7,21 +7,21 @@ table on stdout. What they share (running Trio, exit codes, error lines, the ser
 options, the ``--out`` rule) is in :mod:`._common`, the job record of ``--resume`` in
 :mod:`._job`. Exit codes: 0 done, 1 error (one ``Error: ...`` line), 2 bad usage, 130
 Ctrl-C, 143 SIGTERM. The prompt file format is documented in
-:mod:`trio_rollouts._prompt_file`.
+:mod:`trio_rollouts.prompts._file`.
 """
 
 from __future__ import annotations
 
 import click
 
-from .. import __version__
-from ._common import EXIT_INTERRUPTED as EXIT_INTERRUPTED
-from ._common import EXIT_TERMINATED as EXIT_TERMINATED
-from .demo import demo as demo
-from .eval_merge import eval_merge as eval_merge
-from .evaluate import EVAL_FORMAT as EVAL_FORMAT
-from .evaluate import eval_command as eval_command
-from .generate import generate as generate
+from trio_rollouts import __version__
+from trio_rollouts.cli._common import EXIT_INTERRUPTED as EXIT_INTERRUPTED
+from trio_rollouts.cli._common import EXIT_TERMINATED as EXIT_TERMINATED
+from trio_rollouts.cli.demo import demo as demo
+from trio_rollouts.cli.eval_merge import eval_merge as eval_merge
+from trio_rollouts.cli.evaluate import EVAL_FORMAT as EVAL_FORMAT
+from trio_rollouts.cli.evaluate import eval_command as eval_command
+from trio_rollouts.cli.generate import generate as generate
 
 __all__ = ["main"]
 

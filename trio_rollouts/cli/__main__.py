@@ -1,5 +1,5 @@
 """``python -m trio_rollouts.cli``: the ``trio-rollouts`` command line."""
 
-from . import main
+from trio_rollouts.cli import main
 
 main()

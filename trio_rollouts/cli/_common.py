@@ -26,11 +26,11 @@ import trio
 from rich.console import Console
 from stamina.instrumentation import RetryHook
 
-from .._models import GenerationArgs, Problem
-from .._prompt_file import PromptFileError, load_problems
-from .._reward_only import REWARD_FUNCTIONS
-from ..inference import DEFAULT_TIMEOUT, InferenceError, OpenAIInference
-from ..inference._retry import logger as retry_logger
+from trio_rollouts.agents._reward_only import REWARD_FUNCTIONS
+from trio_rollouts.inference import DEFAULT_TIMEOUT, InferenceError, OpenAIInference
+from trio_rollouts.inference._retry import logger as retry_logger
+from trio_rollouts.models._records import GenerationArgs, Problem
+from trio_rollouts.prompts._file import PromptFileError, load_problems
 
 __all__ = [
     "EXIT_INTERRUPTED",
@@ -527,7 +527,7 @@ def unbounded_completions_note(max_tokens: int | None, timeout: float | None) ->
 
 
 def reward_option(default: str) -> Callable[[Callable[P, T]], Callable[P, T]]:
-    """``--reward NAME``: one of :data:`~trio_rollouts._reward_only.REWARD_FUNCTIONS`."""
+    """``--reward NAME``: one of :data:`~trio_rollouts.agents._reward_only.REWARD_FUNCTIONS`."""
     return click.option(
         "--reward",
         type=click.Choice(sorted(REWARD_FUNCTIONS)),

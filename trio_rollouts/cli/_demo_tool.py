@@ -15,9 +15,15 @@ import trio.testing
 from rich.console import Console
 from rich.table import Table
 
-from .._demo import ToolDemoConfig, ToolDemoResult, ToolStepMetrics, run_tool_demo
-from ._common import end_live, refuse_existing_out, run, stderr_console, stdout_console
-from ._demo_display import HELD_BY_MODE, TrainingProgress
+from trio_rollouts.cli._common import (
+    end_live,
+    refuse_existing_out,
+    run,
+    stderr_console,
+    stdout_console,
+)
+from trio_rollouts.cli._demo import ToolDemoConfig, ToolDemoResult, ToolStepMetrics, run_tool_demo
+from trio_rollouts.cli._demo_display import HELD_BY_MODE, TrainingProgress
 
 __all__ = ["run_tool_command"]
 

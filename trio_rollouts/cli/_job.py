@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import click
 
-from ._common import write_json
+from trio_rollouts.cli._common import write_json
 
 __all__ = [
     "JOB_FORMAT",

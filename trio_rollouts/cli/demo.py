@@ -23,18 +23,7 @@ from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
-from .._demo import (
-    DemoCheckpoint,
-    DemoCheckpointMismatch,
-    DemoConfig,
-    DemoResult,
-    StepMetrics,
-    ToolDemoConfig,
-    load_demo_checkpoint,
-    run_demo,
-)
-from ..inference import WeightUpdateMode
-from ._common import (
+from trio_rollouts.cli._common import (
     end_live,
     interrupted,
     out_option,
@@ -45,8 +34,19 @@ from ._common import (
     stderr_console,
     stdout_console,
 )
-from ._demo_display import HELD_BY_MODE, TrainingProgress
-from ._demo_tool import run_tool_command
+from trio_rollouts.cli._demo import (
+    DemoCheckpoint,
+    DemoCheckpointMismatch,
+    DemoConfig,
+    DemoResult,
+    StepMetrics,
+    ToolDemoConfig,
+    load_demo_checkpoint,
+    run_demo,
+)
+from trio_rollouts.cli._demo_display import HELD_BY_MODE, TrainingProgress
+from trio_rollouts.cli._demo_tool import run_tool_command
+from trio_rollouts.inference import WeightUpdateMode
 
 __all__ = ["demo"]
 

@@ -16,10 +16,8 @@ from typing import Any
 import attrs
 import click
 
-from .._convert import structure, unstructure
-from .._evaluation import merge_evaluation_responses
-from .._models import EvaluationResponse
-from ._common import (
+from trio_rollouts.agents._evaluation import merge_evaluation_responses
+from trio_rollouts.cli._common import (
     out_option,
     overwrite_option,
     refuse_existing_out,
@@ -27,8 +25,16 @@ from ._common import (
     stdout_console,
     write_json,
 )
-from ._job import describe_differences, differences
-from .evaluate import EVAL_FORMAT, NOT_RESULTS, RESULT_KEYS, flat_job, metrics_table
+from trio_rollouts.cli._job import describe_differences, differences
+from trio_rollouts.cli.evaluate import (
+    EVAL_FORMAT,
+    NOT_RESULTS,
+    RESULT_KEYS,
+    flat_job,
+    metrics_table,
+)
+from trio_rollouts.models._convert import structure, unstructure
+from trio_rollouts.models._records import EvaluationResponse
 
 __all__ = ["eval_merge"]
 

@@ -22,25 +22,15 @@ import trio.testing
 from rich.table import Table
 from stamina.instrumentation import RetryDetails
 
-from .._concurrency import gather_bounded
-from .._convert import load_jsonl, unstructure
-from .._evaluation import (
+from trio_rollouts._concurrency import gather_bounded
+from trio_rollouts.agents._evaluation import (
     PassAtKEvaluationAgent,
     PassAtKEvaluationResponse,
     PassAtKResult,
     shard_indices,
 )
-from .._models import EvaluationRequest, Problem
-from .._prompt_file import result_problem_id, scan_output, truncate_torn_line, write_groups
-from .._reward_only import REWARD_FUNCTIONS
-from ..inference import (
-    EmbeddedInference,
-    InferenceInterface,
-    InferenceRequest,
-    InferenceResponse,
-    render_plain_chat,
-)
-from ._common import (
+from trio_rollouts.agents._reward_only import REWARD_FUNCTIONS
+from trio_rollouts.cli._common import (
     Command,
     counting_retries,
     generation_args,
@@ -60,7 +50,7 @@ from ._common import (
     unbounded_completions_note,
     write_json,
 )
-from ._job import (
+from trio_rollouts.cli._job import (
     OutputFile,
     check_job,
     describe_differences,
@@ -68,7 +58,22 @@ from ._job import (
     job_path,
     write_job,
 )
-from ._progress import RunProgress
+from trio_rollouts.cli._progress import RunProgress
+from trio_rollouts.inference import (
+    EmbeddedInference,
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    render_plain_chat,
+)
+from trio_rollouts.models._convert import load_jsonl, unstructure
+from trio_rollouts.models._records import EvaluationRequest, Problem
+from trio_rollouts.prompts._file import (
+    result_problem_id,
+    scan_output,
+    truncate_torn_line,
+    write_groups,
+)
 
 __all__ = [
     "EVAL_FORMAT",

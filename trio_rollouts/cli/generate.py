@@ -20,12 +20,8 @@ import trio
 from rich.table import Table
 from stamina.instrumentation import RetryDetails
 
-from .._models import GroupedRolloutRequest, Problem, Rollout, RolloutGroup, TokenRollout
-from .._prompt_file import scan_output, truncate_torn_line, write_groups
-from .._prompts import PromptSource
-from .._reward_only import REWARD_FUNCTIONS, RewardOnlyAgent
-from ..inference import InferenceResponse
-from ._common import (
+from trio_rollouts.agents._reward_only import REWARD_FUNCTIONS, RewardOnlyAgent
+from trio_rollouts.cli._common import (
     Command,
     counting_retries,
     generation_args,
@@ -44,8 +40,18 @@ from ._common import (
     stdout_console,
     unbounded_completions_note,
 )
-from ._job import OutputFile, check_job, job_path, write_job
-from ._progress import RunProgress, rate_text
+from trio_rollouts.cli._job import OutputFile, check_job, job_path, write_job
+from trio_rollouts.cli._progress import RunProgress, rate_text
+from trio_rollouts.inference import InferenceResponse
+from trio_rollouts.models._records import (
+    GroupedRolloutRequest,
+    Problem,
+    Rollout,
+    RolloutGroup,
+    TokenRollout,
+)
+from trio_rollouts.prompts._file import scan_output, truncate_torn_line, write_groups
+from trio_rollouts.prompts._source import PromptSource
 
 __all__ = ["generate"]
 

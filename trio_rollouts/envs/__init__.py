@@ -12,20 +12,22 @@ multi-turn environment (for :class:`~trio_rollouts.MultiTurnAgent`) with a
 tool`` that learns to call it.
 """
 
-from .._reward_only import REWARD_FUNCTIONS as REWARD_FUNCTIONS
-from .._reward_only import RewardOnlyAgent as RewardOnlyAgent
-from .._reward_only import build_rollouts as build_rollouts
-from .._reward_only import contains_reward as contains_reward
-from .._reward_only import exact_match_reward as exact_match_reward
-from .._reward_only import last_number_reward as last_number_reward
-from ._answer_table import AnswerTablePolicy as AnswerTablePolicy
-from ._preference import BestWorstContrastiveGenerator as BestWorstContrastiveGenerator
-from ._preference import HeadToHeadResult as HeadToHeadResult
-from ._preference import HeadToHeadRolloutGenerator as HeadToHeadRolloutGenerator
-from .arithmetic import ArithmeticEnvironment as ArithmeticEnvironment
-from .arithmetic import make_problems as make_problems
-from .calculator import CALCULATOR_TOOL as CALCULATOR_TOOL
-from .calculator import CalculatorEnvironment as CalculatorEnvironment
-from .calculator import CalculatorError as CalculatorError
-from .calculator import ToolUsePolicy as ToolUsePolicy
-from .calculator import calculate as calculate
+from trio_rollouts.agents._reward_only import REWARD_FUNCTIONS as REWARD_FUNCTIONS
+from trio_rollouts.agents._reward_only import RewardOnlyAgent as RewardOnlyAgent
+from trio_rollouts.agents._reward_only import build_rollouts as build_rollouts
+from trio_rollouts.agents._reward_only import contains_reward as contains_reward
+from trio_rollouts.agents._reward_only import exact_match_reward as exact_match_reward
+from trio_rollouts.agents._reward_only import last_number_reward as last_number_reward
+from trio_rollouts.envs._answer_table import AnswerTablePolicy as AnswerTablePolicy
+from trio_rollouts.envs._preference import (
+    BestWorstContrastiveGenerator as BestWorstContrastiveGenerator,
+)
+from trio_rollouts.envs._preference import HeadToHeadResult as HeadToHeadResult
+from trio_rollouts.envs._preference import HeadToHeadRolloutGenerator as HeadToHeadRolloutGenerator
+from trio_rollouts.envs.arithmetic import ArithmeticEnvironment as ArithmeticEnvironment
+from trio_rollouts.envs.arithmetic import make_problems as make_problems
+from trio_rollouts.envs.calculator import CALCULATOR_TOOL as CALCULATOR_TOOL
+from trio_rollouts.envs.calculator import CalculatorEnvironment as CalculatorEnvironment
+from trio_rollouts.envs.calculator import CalculatorError as CalculatorError
+from trio_rollouts.envs.calculator import ToolUsePolicy as ToolUsePolicy
+from trio_rollouts.envs.calculator import calculate as calculate

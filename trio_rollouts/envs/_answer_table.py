@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from .._models import ChatMessage, Problem, RolloutGroup, TokenRollout
+from trio_rollouts.models._records import ChatMessage, Problem, RolloutGroup, TokenRollout
 
 __all__ = ["AnswerTablePolicy", "FloatArray"]
 

@@ -17,11 +17,12 @@ from typing import Any
 
 import attrs
 
-from .._agents import Agent, ContrastiveRolloutGenerator
-from .._checks import int_at_least
-from .._concurrency import gather_bounded
-from .._evaluation import RewardFunction, as_problem_source, problem_at, score
-from .._models import (
+from trio_rollouts._checks import int_at_least
+from trio_rollouts._concurrency import gather_bounded
+from trio_rollouts.agents._base import Agent, ContrastiveRolloutGenerator
+from trio_rollouts.agents._evaluation import RewardFunction, as_problem_source, problem_at, score
+from trio_rollouts.inference import InferenceInterface, InferenceResponse, ReturnsRaw
+from trio_rollouts.models._records import (
     ContrastiveRollout,
     Head2HeadRolloutRequest,
     Problem,
@@ -29,7 +30,6 @@ from .._models import (
     Rollout,
     RolloutRequest,
 )
-from ..inference import InferenceInterface, InferenceResponse, ReturnsRaw
 
 __all__ = ["BestWorstContrastiveGenerator", "HeadToHeadResult", "HeadToHeadRolloutGenerator"]
 

@@ -17,10 +17,16 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import numpy as np
 
-from .._checks import int_at_least
-from .._models import GroupedRolloutRequest, Problem, Rollout, RolloutGroup, TokenRollout
-from .._reward_only import RewardOnlyAgent, last_number_reward
-from ..inference import InferenceResponse
+from trio_rollouts._checks import int_at_least
+from trio_rollouts.agents._reward_only import RewardOnlyAgent, last_number_reward
+from trio_rollouts.inference import InferenceResponse
+from trio_rollouts.models._records import (
+    GroupedRolloutRequest,
+    Problem,
+    Rollout,
+    RolloutGroup,
+    TokenRollout,
+)
 
 __all__ = ["OPERATIONS", "ArithmeticEnvironment", "make_problems"]
 

@@ -32,12 +32,12 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._checks import is_real
-from .._environment import BaseEnvironment, EnvironmentStep
-from .._messages import ChatMessage
-from .._models import Problem, RolloutGroup, TokenRollout
-from .._reward_only import last_number_reward
-from ..renderers import AssistantTurn, ToolCall
+from trio_rollouts._checks import is_real
+from trio_rollouts.agents._environment import BaseEnvironment, EnvironmentStep
+from trio_rollouts.agents._reward_only import last_number_reward
+from trio_rollouts.models._messages import ChatMessage
+from trio_rollouts.models._records import Problem, RolloutGroup, TokenRollout
+from trio_rollouts.renderers import AssistantTurn, ToolCall
 
 __all__ = [
     "CALCULATOR_TOOL",

@@ -11,10 +11,10 @@ write (the OpenAI Agents SDK, LangGraph, a team's own loop).
 See ``docs/gateway.md``.
 """
 
-from ._agent import AgentCommandError as AgentCommandError
-from ._agent import CommandTimeoutError as CommandTimeoutError
-from ._agent import GatewayAgent as GatewayAgent
-from ._gateway import Gateway as Gateway
-from ._gateway import GatewaySession as GatewaySession
-from ._gateway import serve as serve
-from ._session import GatewayError as GatewayError
+from trio_rollouts.gateway._agent import AgentCommandError as AgentCommandError
+from trio_rollouts.gateway._agent import CommandTimeoutError as CommandTimeoutError
+from trio_rollouts.gateway._agent import GatewayAgent as GatewayAgent
+from trio_rollouts.gateway._gateway import Gateway as Gateway
+from trio_rollouts.gateway._gateway import GatewaySession as GatewaySession
+from trio_rollouts.gateway._gateway import serve as serve
+from trio_rollouts.gateway._session import GatewayError as GatewayError

@@ -35,16 +35,16 @@ from typing import Any, Final, Literal
 import attrs
 import trio
 
-from .._agents import GroupedRolloutGenerator
-from .._checks import seconds as _seconds
-from .._concurrency import flatten_exception_groups, gather
-from .._episodes import check_min_fidelity, check_on_break, check_renderer
-from .._failure import StepTimeoutError
-from .._messages import ChatMessage
-from .._models import GroupedRolloutRequest, Problem, TokenRollout
-from .._sampling import request_seed
-from ..renderers import Renderer
-from ._gateway import Gateway, GatewaySession, serve
+from trio_rollouts._checks import seconds as _seconds
+from trio_rollouts._concurrency import flatten_exception_groups, gather
+from trio_rollouts.agents._base import GroupedRolloutGenerator
+from trio_rollouts.episodes._agent import check_min_fidelity, check_on_break, check_renderer
+from trio_rollouts.gateway._gateway import Gateway, GatewaySession, serve
+from trio_rollouts.models._messages import ChatMessage
+from trio_rollouts.models._records import GroupedRolloutRequest, Problem, TokenRollout
+from trio_rollouts.pipeline._failure import StepTimeoutError
+from trio_rollouts.pipeline._sampling import request_seed
+from trio_rollouts.renderers import Renderer
 
 __all__ = [
     "KILL_GRACE",

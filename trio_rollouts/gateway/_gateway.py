@@ -22,21 +22,27 @@ from typing import Any, Final
 import attrs
 import trio
 
-from .._concurrency import flatten_exception_groups
-from .._episodes import (
+from trio_rollouts._concurrency import flatten_exception_groups
+from trio_rollouts.episodes._agent import (
     TemplateBreakError,
     check_min_fidelity,
     check_renderer,
     check_vocabulary,
     takes_messages,
 )
-from .._messages import ChatMessage, GenerationArgs
-from .._models import Problem, TokenRollout
-from ..inference import InferenceError, InferenceInterface
-from ..renderers import Renderer
-from ._http import HTTPRequest, HTTPResponse, StreamingResponse, serve_http
-from ._session import GatewayError, SessionState, body_args, parse_messages, parse_tools
-from ._sse import chat_completion_chunks
+from trio_rollouts.gateway._http import HTTPRequest, HTTPResponse, StreamingResponse, serve_http
+from trio_rollouts.gateway._session import (
+    GatewayError,
+    SessionState,
+    body_args,
+    parse_messages,
+    parse_tools,
+)
+from trio_rollouts.gateway._sse import chat_completion_chunks
+from trio_rollouts.inference import InferenceError, InferenceInterface
+from trio_rollouts.models._messages import ChatMessage, GenerationArgs
+from trio_rollouts.models._records import Problem, TokenRollout
+from trio_rollouts.renderers import Renderer
 
 __all__ = ["Gateway", "GatewaySession", "serve"]
 

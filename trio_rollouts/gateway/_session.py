@@ -1,6 +1,6 @@
 """One gateway session: the calls of one agent run, made into one token stream.
 
-A session keeps what an episode keeps (:class:`~trio_rollouts._episodes._Element`: ids,
+A session keeps what an episode keeps (:class:`~trio_rollouts.episodes._agent._Element`: ids,
 mask, logprobs, epochs, the sampling record) and the conversation the current element
 holds, as the session saw it: the messages the agent sent and the replies the session
 gave. Each call's message list is matched against that conversation:
@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from .._episodes import (
+from trio_rollouts.episodes._agent import (
     RANK,
     Element,
     TemplateBreakError,
@@ -47,13 +47,18 @@ from .._episodes import (
     turn_record,
     what_lacked,
 )
-from .._gate import call_start_epoch
-from .._messages import ChatMessage, GenerationArgs
-from .._models import Problem, TokenRollout
-from .._sampling import seeded
-from ..inference import InferenceInterface, InferenceRequest, InferenceResponse, Pausable
-from ..inference._sampling import derive_seed
-from ..renderers import AssistantTurn, Renderer
+from trio_rollouts.inference import (
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    Pausable,
+)
+from trio_rollouts.inference._sampling import derive_seed
+from trio_rollouts.models._messages import ChatMessage, GenerationArgs
+from trio_rollouts.models._records import Problem, TokenRollout
+from trio_rollouts.pipeline._epochs import call_start_epoch
+from trio_rollouts.pipeline._sampling import seeded
+from trio_rollouts.renderers import AssistantTurn, Renderer
 
 __all__ = ["GatewayError", "SessionState"]
 

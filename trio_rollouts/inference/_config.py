@@ -17,7 +17,7 @@ from typing import Final, Literal
 import attrs
 import httpx2
 
-from .._checks import int_at_least, seconds
+from trio_rollouts._checks import int_at_least, seconds
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",

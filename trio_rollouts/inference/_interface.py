@@ -18,10 +18,10 @@ from typing import Any, ClassVar, Final, Self
 import attrs
 import trio
 
-from .._messages import ChatMessage, GenerationArgs
-from .._tracing import current_sample
-from ._placement import call_progress
-from ._sampling import LogprobsMode
+from trio_rollouts.inference._placement import call_progress
+from trio_rollouts.inference._sampling import LogprobsMode
+from trio_rollouts.models._messages import ChatMessage, GenerationArgs
+from trio_rollouts.pipeline._tracing import current_sample
 
 __all__ = [
     "CODE_POINTS",

@@ -15,8 +15,8 @@ from typing import Final
 import attrs
 import trio
 
-from ._errors import InferenceError
-from ._transport import Transport
+from trio_rollouts.inference._errors import InferenceError
+from trio_rollouts.inference.http._transport import Transport
 
 __all__ = ["ServedModels", "model_not_served"]
 

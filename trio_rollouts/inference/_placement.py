@@ -31,7 +31,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from .._checks import int_at_least
+from trio_rollouts._checks import int_at_least
 
 __all__ = [
     "DEFAULT_ROUTING_MARGIN",

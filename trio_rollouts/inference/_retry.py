@@ -28,9 +28,9 @@ import attrs
 import stamina
 import trio
 
-from .._checks import non_negative_seconds
-from ._errors import TRANSIENT_ERRORS, InferenceError
-from ._placement import call_episode, call_group
+from trio_rollouts._checks import non_negative_seconds
+from trio_rollouts.inference._errors import TRANSIENT_ERRORS, InferenceError
+from trio_rollouts.inference._placement import call_episode, call_group
 
 __all__ = ["RetryBackoff", "call_with_retries", "logger"]
 

@@ -32,7 +32,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ._placement import current_call
+from trio_rollouts.inference._placement import current_call
 
 __all__ = [
     "CACHE_SALTS",

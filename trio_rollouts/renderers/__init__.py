@@ -15,16 +15,16 @@ and reasoning (``TOOL_PARSERS``, ``REASONING_PARSERS``: one small module per for
 named as vLLM names its parsers).
 """
 
-from ._base import AssistantTurn as AssistantTurn
-from ._base import Renderer as Renderer
-from ._base import ToolCall as ToolCall
-from ._families import REASONING_PARSERS as REASONING_PARSERS
-from ._families import TOOL_PARSERS as TOOL_PARSERS
-from ._families import Family as Family
-from ._families import detect as detect_family
-from .hf import HFRenderer as HFRenderer
-from .hf import tokenizer_vocabulary as tokenizer_vocabulary
-from .plain import PlainRenderer as PlainRenderer
+from trio_rollouts.renderers._base import AssistantTurn as AssistantTurn
+from trio_rollouts.renderers._base import Renderer as Renderer
+from trio_rollouts.renderers._base import ToolCall as ToolCall
+from trio_rollouts.renderers._families import REASONING_PARSERS as REASONING_PARSERS
+from trio_rollouts.renderers._families import TOOL_PARSERS as TOOL_PARSERS
+from trio_rollouts.renderers._families import Family as Family
+from trio_rollouts.renderers._families import detect as detect_family
+from trio_rollouts.renderers.hf import HFRenderer as HFRenderer
+from trio_rollouts.renderers.hf import tokenizer_vocabulary as tokenizer_vocabulary
+from trio_rollouts.renderers.plain import PlainRenderer as PlainRenderer
 
 __all__ = [
     "REASONING_PARSERS",

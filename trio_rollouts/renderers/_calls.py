@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._base import ToolCall
+from trio_rollouts.renderers._base import ToolCall
 
 __all__ = [
     "broken",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from . import (
+from trio_rollouts.renderers import (
     deepseek_v3,
     glm45,
     hermes,
@@ -24,8 +24,8 @@ from . import (
     pythonic,
     qwen3_coder,
 )
-from ._base import ToolCall
-from ._think import think
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._think import think
 
 __all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "Family", "detect"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from ._base import ToolCall
-from ._calls import broken, call_from_parts
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken, call_from_parts
 
 _SECTION = re.compile(r"<｜tool▁calls▁begin｜>(.*?)(<｜tool▁calls▁end｜>|$)", re.DOTALL)
 _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)(<｜tool▁call▁end｜>|$)", re.DOTALL)

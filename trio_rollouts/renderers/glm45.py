@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from ._base import ToolCall
-from ._calls import broken, loose_value
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken, loose_value
 
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)

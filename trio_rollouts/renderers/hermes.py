@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from ._base import ToolCall
-from ._calls import broken, call_from_json
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken, call_from_json
 
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 

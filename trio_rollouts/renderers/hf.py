@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from .._messages import ChatMessage
-from ._base import (
+from trio_rollouts.models._messages import ChatMessage
+from trio_rollouts.renderers._base import (
     AssistantTurn,
     assemble_turn,
     checked_ids,
@@ -20,7 +20,13 @@ from ._base import (
     refuse_assistant_messages,
     remainder,
 )
-from ._families import REASONING_OPENINGS, REASONING_PARSERS, TOOL_PARSERS, Family, detect
+from trio_rollouts.renderers._families import (
+    REASONING_OPENINGS,
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    Family,
+    detect,
+)
 
 __all__ = ["HFRenderer", "tokenizer_vocabulary"]
 

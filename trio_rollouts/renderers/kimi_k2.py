@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from ._base import ToolCall
-from ._calls import broken, call_from_parts
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken, call_from_parts
 
 _SECTION = re.compile(
     r"<\|tool_calls_section_begin\|>(.*?)(<\|tool_calls_section_end\|>|$)", re.DOTALL

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ._base import ToolCall
-from ._calls import broken, call_from_object
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken, call_from_object
 
 _TAG = "<|python_tag|>"
 _KEYS = ("parameters", "arguments")

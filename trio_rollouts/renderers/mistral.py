@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
-from ._base import ToolCall
-from ._calls import broken, call_from_object, call_from_parts, json_items
-from ._think import split
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken, call_from_object, call_from_parts, json_items
+from trio_rollouts.renderers._think import split
 
 _CALLS = "[TOOL_CALLS]"
 _ARGS = "[ARGS]"

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import re
 
-from ._base import ToolCall
-from ._calls import call_from_parts
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import call_from_parts
 
 _START = "<|start|>"
 _ENDS = re.compile(r"<\|end\|>|<\|call\|>|<\|return\|>")

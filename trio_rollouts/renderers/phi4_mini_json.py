@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from ._base import ToolCall
-from ._calls import broken, call_from_object, json_items
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken, call_from_object, json_items
 
 _MARK = "functools"
 

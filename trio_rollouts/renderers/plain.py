@@ -9,17 +9,17 @@ from typing import Any
 
 import attrs
 
-from .._messages import ChatMessage
-from ..inference._interface import CODE_POINTS
-from . import hermes
-from ._base import (
+from trio_rollouts.inference._interface import CODE_POINTS
+from trio_rollouts.models._messages import ChatMessage
+from trio_rollouts.renderers import hermes
+from trio_rollouts.renderers._base import (
     AssistantTurn,
     assemble_turn,
     declared_roles,
     refuse_assistant_messages,
     remainder,
 )
-from ._think import split
+from trio_rollouts.renderers._think import split
 
 __all__ = ["PlainRenderer"]
 

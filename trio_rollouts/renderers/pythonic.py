@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ast
 
-from ._base import ToolCall
-from ._calls import broken
+from trio_rollouts.renderers._base import ToolCall
+from trio_rollouts.renderers._calls import broken
 
 _WRAPS = (("<|python_start|>", "<|python_end|>"),)
 
