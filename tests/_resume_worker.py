@@ -20,7 +20,7 @@ import attrs
 import trio
 
 import trio_rollouts as tr
-from trio_rollouts.prompts._draws import current_draws
+from trio_rollouts._context import current_call
 from trio_rollouts.testing import NullInference
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,7 +34,7 @@ class Agent(tr.GroupedRolloutGenerator):
         if self.prompts is None:
             raise TypeError("prompts needed")
         problem = self.prompts.draw()
-        draws = current_draws.get()
+        draws = current_call().draws
         epoch = draws[-1][1] if draws else -1
         await trio.sleep(random.uniform(0.0005, 0.005))
         pid = problem.problem_id

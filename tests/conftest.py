@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trio_rollouts.pipeline._admission import Admission
+from trio_rollouts.pipeline._epochs import Admission
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from trio_rollouts.inference import (
     WeightUpdateError,
     WeightUpdateMode,
 )
+from trio_rollouts.pipeline._stream import source_of
 
 #: Safety net for every wait; a passing test never waits this long.
 WAIT = 10.0
@@ -493,10 +494,10 @@ def test_a_pipeline_failure_while_a_drain_waits_reaches_the_caller() -> None:
     gate = Gate()
     with tr.blocking_grouped_rollouts(agent(gate, fail=True), request(RawInterface())) as stream:
         gate.wait_for("arrived", 2)
-        pipeline = stream._stream._pipeline  # type: ignore[union-attr]
+        epochs = source_of(stream._stream).epochs  # type: ignore[arg-type, attr-defined]
 
         def open_once_the_drain_waits() -> None:
-            wait_until(lambda: pipeline.updating)
+            wait_until(lambda: epochs.updating)
             gate.open()
 
         opener = threading.Thread(target=open_once_the_drain_waits)
@@ -547,11 +548,11 @@ def test_a_keyboard_interrupt_while_entering_gives_the_update_up() -> None:
     gate = Gate()
     with tr.blocking_grouped_rollouts(agent(gate), request(RawInterface())) as stream:
         gate.wait_for("arrived", 2)
-        pipeline = stream._stream._pipeline  # type: ignore[union-attr]
+        epochs = source_of(stream._stream).epochs  # type: ignore[arg-type, attr-defined]
         main = threading.get_ident()
 
         def interrupt_once_the_drain_waits() -> None:
-            wait_until(lambda: pipeline.updating)
+            wait_until(lambda: epochs.updating)
             signal.pthread_kill(main, signal.SIGINT)
 
         interrupter = threading.Thread(target=interrupt_once_the_drain_waits)
@@ -559,7 +560,7 @@ def test_a_keyboard_interrupt_while_entering_gives_the_update_up() -> None:
         with pytest.raises(KeyboardInterrupt), stream.weight_update("drain"):
             pytest.fail("entered")
         interrupter.join()
-        wait_until(lambda: not pipeline.updating)  # given up, in the Trio thread
+        wait_until(lambda: not epochs.updating)  # given up, in the Trio thread
         assert stream.policy_epoch == 0
         gate.open()
         groups = stream.take(2, timeout=WAIT)

@@ -18,6 +18,7 @@ from _openai_server import FakeOpenAIServer, serving
 
 import trio_rollouts as tr
 from trio_rollouts import GenerationArgs
+from trio_rollouts._context import call_start_epoch
 from trio_rollouts.inference import (
     CacheSaltCall,
     EmbeddedInference,
@@ -28,7 +29,6 @@ from trio_rollouts.inference import (
     RetryBackoff,
 )
 from trio_rollouts.inference._salt import epoch_salt
-from trio_rollouts.pipeline._epochs import call_start_epoch
 
 PROMPT = 5.0
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_rollouts as tr
+from trio_rollouts._context import CallContext, GroupCall, call_context, current_call
 from trio_rollouts.envs import CalculatorEnvironment
 from trio_rollouts.inference import (
     EmbeddedInference,
@@ -28,9 +29,7 @@ from trio_rollouts.inference import (
     InferenceResponse,
     LatencyModel,
 )
-from trio_rollouts.inference._placement import call_progress
-from trio_rollouts.pipeline._cuts import GroupCall, current_group_call, run_members
-from trio_rollouts.pipeline._epochs import call_start_epoch
+from trio_rollouts.pipeline._cuts import run_members
 from trio_rollouts.pipeline._ledger import Ledger
 from trio_rollouts.renderers import PlainRenderer
 from trio_rollouts.testing import ScriptedAgent
@@ -61,20 +60,28 @@ def scripted(durations: dict[int, float], tokens: dict[int, int] | None = None):
     generated tokens before it sleeps (as a backend reports a cancelled call's)."""
 
     async def member(draw: int) -> tuple[int, int | None, float]:
-        progress = call_progress.get()
+        progress = current_call().progress
         if progress is not None and tokens is not None:
             progress.generated_tokens += tokens.get(draw, 0)
         await trio.sleep(durations[draw])
-        return draw, call_start_epoch.get(None), trio.current_time()
+        return draw, current_call().start_epoch, trio.current_time()
 
     return member
 
 
 def group_call(epoch: int = 0) -> tuple[GroupCall, Ledger]:
+    """A call in flight under ``epoch``, in the running task's context, whose cuts are
+    booked in a ledger of its own (as the pipeline books them)."""
     ledger = Ledger(None)
-    call = GroupCall(0, [epoch], ledger)
-    current_group_call.set(call)
-    call_start_epoch.set(epoch)
+
+    def book(cut: object) -> None:
+        assert isinstance(cut, tr.Cut)
+        ledger.cut += 1
+        if cut.generated_tokens is not None:
+            ledger.wasted_tokens += cut.generated_tokens
+
+    call = GroupCall(epoch, book)
+    call_context.set(CallContext(start_epoch=epoch, call=call))
     return call, ledger
 
 
@@ -115,7 +122,7 @@ async def test_members_running_at_the_bound_are_cut_and_sampled_again_under_the_
     assert sorted(call.cuts) == [tr.Cut(0, 5.0, 0), tr.Cut(0, 5.0, 0)]
     assert ledger.cut == 2
     # Kept members started under epoch 0: the call still counts from there.
-    assert call.start_epoch() == 0
+    assert call.start_epoch == 0
 
 
 async def test_a_call_whose_members_were_all_cut_counts_from_the_new_epoch(
@@ -128,7 +135,7 @@ async def test_a_call_whose_members_were_all_cut_counts_from_the_new_epoch(
         await trio.testing.wait_all_tasks_blocked()
         call.cut_at(3)
         await trio.testing.wait_all_tasks_blocked()
-        assert call.start_epoch() == 3
+        assert call.start_epoch == 3
     assert len(call.cuts) == 2
 
 
@@ -181,7 +188,7 @@ async def test_a_cut_members_tokens_are_unknown_when_its_backend_cannot_tell(
     call, ledger = group_call()
 
     async def member(draw: int) -> int:
-        progress = call_progress.get()
+        progress = current_call().progress
         assert progress is not None
         if draw == 1:
             progress.known = False  # an HTTP request cancelled mid-flight
@@ -368,7 +375,7 @@ async def test_the_engine_queues_older_epochs_first(
         interface: EmbeddedInference, finished: list[int], epoch: int, delay: float
     ) -> None:
         await trio.sleep(delay)
-        call_start_epoch.set(epoch)
+        call_context.set(CallContext(start_epoch=epoch))
         await interface.agenerate(interface.prepare_request(f"prompt {epoch}"))
         finished.append(epoch)
 

@@ -27,7 +27,7 @@ MODULES = {
     "trio_rollouts.inference": "trio_rollouts/inference/__init__.py",
     "trio_rollouts.envs": "trio_rollouts/envs/__init__.py",
     "trio_rollouts.testing": "trio_rollouts/testing.py",
-    "trio_rollouts.ray": "trio_rollouts/ray.py",
+    "trio_rollouts.ray": "trio_rollouts/ray/__init__.py",
     "trio_rollouts.gateway": "trio_rollouts/gateway/__init__.py",
 }
 
@@ -131,7 +131,7 @@ def test_the_checker_reads_directives_and_current_modules(tmp_path: Path) -> Non
 
 def ledger_terms_in_code() -> list[str]:
     """The terms ``unaccounted`` subtracts from ``started``, in source order."""
-    source = (ROOT / "trio_rollouts" / "_ledger.py").read_text(encoding="utf-8")
+    source = (ROOT / "trio_rollouts" / "pipeline" / "_ledger.py").read_text(encoding="utf-8")
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.FunctionDef) and node.name == "unaccounted":
             (statement,) = (n for n in node.body if isinstance(n, ast.Return))

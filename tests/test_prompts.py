@@ -259,7 +259,7 @@ def test_reward_only_agent_needs_prompts_or_get_prompt() -> None:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from trio_rollouts.prompts._draws import current_draws  # noqa: E402
+from trio_rollouts._context import current_call  # noqa: E402
 
 NUM_PROBLEMS = 7
 EPOCHS = 2
@@ -278,7 +278,7 @@ class Recording(tr.GroupedRolloutGenerator):
     async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
         assert self.prompts is not None
         problem = self.prompts.draw()
-        draws = current_draws.get()
+        draws = current_call().draws
         assert draws is not None
         epoch = draws[-1][1]
         n = self.calls[0]

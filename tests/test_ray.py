@@ -37,6 +37,7 @@ from trio_rollouts.inference import (  # noqa: E402
     WeightUpdateError,
     WeightUpdateMode,
 )
+from trio_rollouts.pipeline._stream import source_of  # noqa: E402
 from trio_rollouts.ray import (  # noqa: E402
     RayRolloutStreamStatistics,
     RolloutActor,
@@ -896,7 +897,7 @@ def test_an_actor_gives_up_a_begin_its_end_overtook_and_refuses_it_later() -> No
     # begin (actor threads run calls in any order); nothing may stay paused.
     actor = RolloutActor(hanging(), request())
     actor.start()
-    pipeline = actor._stream._pipeline  # type: ignore[union-attr]
+    epochs = source_of(actor._stream).epochs  # type: ignore[arg-type, attr-defined]
     refused: list[BaseException] = []
 
     def begin() -> None:
@@ -908,13 +909,13 @@ def test_an_actor_gives_up_a_begin_its_end_overtook_and_refuses_it_later() -> No
     beginner = threading.Thread(target=begin)
     beginner.start()
     deadline = time.monotonic() + WAIT
-    while not pipeline.updating:
+    while not epochs.updating:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert actor.end_weight_update(1, body_failed=True) == []
     beginner.join(WAIT)
     assert "given up" in str(refused[0])
-    assert not pipeline.updating
+    assert not epochs.updating
     with pytest.raises(RuntimeError, match="ended already"):
         actor.begin_weight_update(1, "drain", 1)
     update = actor.begin_weight_update(2, "restart", 1)

@@ -1,6 +1,6 @@
 """The actor's side of the Ray stream's staleness bound, without Ray: a rollout actor gives
-the groups the merge found too old back to its stream with ``put_back`` and
-``return_stale`` (``trio_rollouts.pipeline._stream``), exactly as here.
+the groups the merge found too old back to its stream with the source's ``take_back``
+(``trio_rollouts.pipeline._stream.source_of``), exactly as here.
 
 A group given back as stale is generated again in its own slot before any other slot
 (ledger: ``stale``), its prompt draw is given back (drawn again first, never settled),
@@ -17,7 +17,7 @@ from _fakes import request
 
 import trio_rollouts as tr
 from trio_rollouts import Problem, PromptSource
-from trio_rollouts.pipeline._stream import put_back, return_stale, settle_handed, settle_on_handover
+from trio_rollouts.pipeline._stream import source_of
 from trio_rollouts.testing import ScriptedAgent, rollouts
 
 
@@ -54,14 +54,14 @@ async def test_a_stale_group_given_back_with_enforce_order_comes_again_in_its_pl
     async with agent.get_grouped_rollouts(
         request(num_groups=2, streaming=True, enforce_order=True)
     ) as stream:
-        assert settle_on_handover(stream)
+        assert source_of(stream).settle_on_handover()
         served = [await stream.receive() for _ in range(4)]
         assert slots(served) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         first, stale, *after = served
-        settle_handed(stream, first.batch_id, first.index_in_batch)  # reached its consumer
+        source_of(stream).handed((first.batch_id, first.index_in_batch))  # reached its consumer
         # The merge found (0, 1) too old: it gives it back, and what it held after it.
-        put_back(stream, after)
-        return_stale(stream, [stale])
+        source_of(stream).take_back(after, regenerate=False)
+        source_of(stream).take_back([stale], regenerate=True)
         stats = stream.statistics()
         assert (stats.delivered, stats.stale, stats.unaccounted) == (1, 1, 0)
         assert stale[0].problem_id in pending(agent)  # given back, not done
@@ -78,9 +78,9 @@ async def test_a_stale_group_given_back_is_generated_again_in_its_slot_first(
 ) -> None:
     agent = drawing_agent()  # W = 4 batches of one group
     async with agent.get_grouped_rollouts(request(num_groups=1, streaming=True)) as stream:
-        settle_on_handover(stream)
+        source_of(stream).settle_on_handover()
         served = [await stream.receive() for _ in range(2)]
-        return_stale(stream, served[1:])
+        source_of(stream).take_back(served[1:], regenerate=True)
         stats = stream.statistics()
         assert (stats.delivered, stats.stale, stats.unaccounted) == (1, 1, 0)
         assert served[1][0].problem_id in pending(agent)
@@ -101,4 +101,4 @@ async def test_put_back_needs_enforce_order(autojump_clock: trio.testing.MockClo
     async with agent.get_grouped_rollouts(request(num_groups=2, streaming=True)) as stream:
         group = await stream.receive()
         with pytest.raises(RuntimeError, match="enforce_order"):
-            put_back(stream, [group])
+            source_of(stream).take_back([group], regenerate=False)

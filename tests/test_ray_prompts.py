@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 import trio_rollouts as tr  # noqa: E402
 from trio_rollouts import Problem, PromptSource  # noqa: E402
-from trio_rollouts.prompts._draws import current_draws  # noqa: E402
+from trio_rollouts._context import current_call  # noqa: E402
 from trio_rollouts.ray import (  # noqa: E402
     RolloutActor,
     blocking_ray_rollouts,
@@ -81,7 +81,7 @@ class Drawing(tr.GroupedRolloutGenerator):
     async def group_rollout(self, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
         assert self.prompts is not None
         problem = self.prompts.draw()
-        draws = current_draws.get()
+        draws = current_call().draws
         assert draws is not None
         epoch = draws[-1][1]
         self.calls += 1

@@ -33,6 +33,7 @@ from hypothesis import given, settings
 
 import trio_rollouts as tr
 from trio_rollouts import GenerationArgs, SamplingSpan, TokenRollout
+from trio_rollouts._context import CallContext, Draw, call_context, current_call
 from trio_rollouts.inference import (
     EmbeddedInference,
     InferenceConnectionError,
@@ -45,7 +46,6 @@ from trio_rollouts.inference import (
 )
 from trio_rollouts.inference._sampling import continuation_seed, derive_seed
 from trio_rollouts.pipeline._sampling import request_seed
-from trio_rollouts.prompts._draws import Draw, current_draws
 
 WORKER = pathlib.Path(__file__).with_name("_sampling_worker.py")
 STEADY = LatencyModel(first_token=1.0, per_token=1.0, distribution="constant")
@@ -122,7 +122,7 @@ class PassGraded(Graded):
     """Graded, and each rollout says which pass over the data drew its problem."""
 
     def annotate_rollout(self, rollout: tr.Rollout | TokenRollout, response: Any) -> None:
-        draws = current_draws.get() or []
+        draws = current_call().draws or []
         rollout.extra["data_pass"] = draws[-1].epoch
 
 
@@ -156,11 +156,11 @@ def expected_seed(
     def settle(epoch: int, problem_id: str, done: bool) -> None:
         raise AssertionError("not settled here")
 
-    token = current_draws.set([Draw(settle, data_pass, problem_id)])
+    token = call_context.set(CallContext(draws=[Draw(settle, data_pass, problem_id)]))
     try:
         return request_seed(request, request.inference_interface, problem_id, member, turn)
     finally:
-        current_draws.reset(token)
+        call_context.reset(token)
 
 
 def to_jsonl(rollouts: Sequence[object]) -> str:

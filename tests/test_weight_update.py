@@ -27,6 +27,7 @@ from trio_rollouts.inference import (
     WeightUpdateError,
     WeightUpdateMode,
 )
+from trio_rollouts.pipeline._stream import source_of
 from trio_rollouts.testing import ScriptedAgent
 
 STEADY = LatencyModel(first_token=1.0, per_token=1.0, distribution="constant")
@@ -139,7 +140,7 @@ async def test_a_mode_the_backend_does_not_support_is_a_type_error(
         with pytest.raises(TypeError, match=r"OpenAIInference cannot pause.*server='vllm'"):
             async with stream.weight_update("abort", backends=[iface]):
                 pass
-        assert not stream._pipeline.updating
+        assert not source_of(stream).epochs.updating  # type: ignore[attr-defined]
 
 
 async def test_one_update_at_a_time(autojump_clock: trio.testing.MockClock) -> None:
@@ -548,7 +549,7 @@ async def test_an_update_cancelled_before_its_body_opens_the_gate(
             async with stream.weight_update("drain"):
                 pytest.fail("the body must not run")
         assert stream.policy_epoch == 0
-        assert not stream._pipeline.updating
+        assert not source_of(stream).epochs.updating  # type: ignore[attr-defined]
         groups = [await stream.receive() for _ in range(4)]
         assert [g.start_epoch for g in groups] == [0, 0, 0, 0]
         ledger_ok(stream.statistics())

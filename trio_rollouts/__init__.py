@@ -72,6 +72,7 @@ from trio_rollouts.models._records import RolloutRequest as RolloutRequest
 from trio_rollouts.models._records import SamplingSpan as SamplingSpan
 from trio_rollouts.models._records import TokenRollout as TokenRollout
 from trio_rollouts.models._training import TrainingBatch as TrainingBatch
+from trio_rollouts.pipeline._epochs import WeightUpdate as WeightUpdate
 from trio_rollouts.pipeline._failure import FailureBudgetExceededError as FailureBudgetExceededError
 from trio_rollouts.pipeline._failure import FailurePolicy as FailurePolicy
 from trio_rollouts.pipeline._failure import GroupTimeoutError as GroupTimeoutError
@@ -82,7 +83,6 @@ from trio_rollouts.pipeline._ledger import RolloutStreamStatistics as RolloutStr
 from trio_rollouts.pipeline._sampling import SamplingBiasError as SamplingBiasError
 from trio_rollouts.pipeline._sampling import SamplingBiasWarning as SamplingBiasWarning
 from trio_rollouts.pipeline._stream import RolloutStream as RolloutStream
-from trio_rollouts.pipeline._weight_update import WeightUpdate as WeightUpdate
 from trio_rollouts.prompts._source import PromptSource as PromptSource
 from trio_rollouts.renderers import AssistantTurn as AssistantTurn
 from trio_rollouts.renderers import HFRenderer as HFRenderer
@@ -91,3 +91,50 @@ from trio_rollouts.renderers import Renderer as Renderer
 from trio_rollouts.renderers import ToolCall as ToolCall
 
 __version__ = "0.1.0.dev0"
+
+#: The names most programs need. Every other name imported above stays importable from
+#: here (DESIGN.md lists them), and has its home in a subpackage: ``models``,
+#: ``inference``, ``agents``, ``prompts``, ``pipeline``, ``episodes``, ``renderers``,
+#: ``bridge``, ``gateway``, ``ray``, ``envs``.
+__all__ = [
+    "Agent",
+    "ChatMessage",
+    "ContrastiveRollout",
+    "ContrastiveRolloutGenerator",
+    "EmbeddedInference",
+    "Environment",
+    "EvaluationAgent",
+    "EvaluationRequest",
+    "EvaluationResponse",
+    "EvaluationResult",
+    "FailurePolicy",
+    "GenerationArgs",
+    "GroupedRolloutGenerator",
+    "GroupedRolloutRequest",
+    "Head2HeadRolloutRequest",
+    "InferenceInterface",
+    "InferenceRequest",
+    "InferenceResponse",
+    "MultiTurnAgent",
+    "OpenAIInference",
+    "PromptSource",
+    "Request",
+    "RewardEvaluationResult",
+    "Rollout",
+    "RolloutGenerator",
+    "RolloutGroup",
+    "RolloutRequest",
+    "RolloutStream",
+    "TokenRollout",
+    "TokenizedRolloutGenerator",
+    "ValidationError",
+    "WeightUpdate",
+    "WeightedMultiTask",
+    "WeightedTask",
+    "blocking_grouped_rollouts",
+    "dump_jsonl",
+    "load_jsonl",
+    "pass_at_k",
+    "structure",
+    "unstructure",
+]

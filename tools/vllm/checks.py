@@ -50,7 +50,7 @@ import trio
 from run import PROBLEMS, CheckFailed, ToolReplies, check
 
 import trio_rollouts as tr
-from trio_rollouts.pipeline._epochs import call_start_epoch
+from trio_rollouts._context import call_start_epoch
 
 #: Seconds each pause is held while the server's token counter is watched.
 HOLD = 2.0

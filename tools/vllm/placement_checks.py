@@ -42,8 +42,8 @@ from run import CheckFailed, check
 from sampling_checks import wait_for_tokens
 
 import trio_rollouts as tr
+from trio_rollouts._context import call_start_epoch
 from trio_rollouts.inference._placement import call_group
-from trio_rollouts.pipeline._epochs import call_start_epoch
 
 #: The workload: groups, calls per group, shared prefix, question lengths, tokens.
 GROUPS = 8

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from trio_rollouts.models._records import (
     TokenRollout,
 )
 from trio_rollouts.pipeline._failure import FailurePolicy
-from trio_rollouts.pipeline._run import SlotHooks, check_grouped_request, open_grouped_rollouts
+from trio_rollouts.pipeline._run import PipelineConfig, open_pipeline
 from trio_rollouts.pipeline._stream import RolloutStream
 from trio_rollouts.prompts._source import PromptSource
 
@@ -40,6 +41,7 @@ __all__ = [
     "GroupedRolloutGenerator",
     "RolloutGenerator",
     "TokenizedRolloutGenerator",
+    "check_grouped_request",
     "draws_prompts",
 ]
 
@@ -197,12 +199,56 @@ class GroupedRolloutGenerator(Agent):
         after every call has exited and every task the pipeline started has ended.
         """
         check_grouped_request(self, request)
-        hooks = SlotHooks(
+        config = PipelineConfig(
+            request=request,
             generate=self._slot_generator(request),
+            name=type(self).__name__,
+            batches_ahead=self.parallel_generation_tasks // request.num_groups,
+            buffer_size=self.buffer_size,
+            max_consecutive_filtered=self.max_consecutive_filtered,
+            failure_policy=self.failure_policy,
             env_of_slot=self._slot_environment(request),
             draws_prompts=draws_prompts(self),
+            prompts_required=self.prompts is not None,
         )
-        return open_grouped_rollouts(self, request, hooks)
+        return open_pipeline(config)
+
+
+def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
+    """Every check that must pass before any work starts (invariant 1)."""
+    if not isinstance(request, GroupedRolloutRequest):
+        msg = f"request must be a GroupedRolloutRequest, got {type(request).__name__}"
+        raise TypeError(msg)
+    require_raw(request.inference_interface, type(agent).__name__)
+    groups = request.num_groups
+    tasks = agent.parallel_generation_tasks
+    if groups < 1:
+        msg = f"num_groups must be >= 1, got {groups}"
+        raise ValueError(msg)
+    if request.rollouts_per_group < 1:
+        msg = f"rollouts_per_group must be >= 1, got {request.rollouts_per_group}"
+        raise ValueError(msg)
+    if tasks < groups:
+        msg = (
+            f"parallel_generation_tasks ({tasks}) must be >= num_groups ({groups}): "
+            f"one batch of {groups} groups must fit in flight"
+        )
+        raise ValueError(msg)
+    if agent.buffer_size < 0:
+        msg = f"buffer_size must be >= 0, got {agent.buffer_size}"
+        raise ValueError(msg)
+    if request.filter_groups_with_same_reward and request.rollouts_per_group < 2:
+        msg = (
+            "filter_groups_with_same_reward needs rollouts_per_group >= 2 (a group of one "
+            f"rollout always has the same reward), got {request.rollouts_per_group}"
+        )
+        raise ValueError(msg)
+    if tasks % groups:
+        msg = (
+            f"parallel_generation_tasks ({tasks}) is not a multiple of num_groups "
+            f"({groups}); {tasks % groups} generation task(s) will be unused"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def draws_prompts(agent: GroupedRolloutGenerator) -> bool:

@@ -19,7 +19,7 @@ The bridge drives any stream with the :class:`BridgedStream` surface that a
 :func:`current_stream`).
 
 Prompts and kept groups. A prompt is done when the caller gets its group, not when the
-Trio thread takes it from the stream (:func:`~trio_rollouts.pipeline._stream.settle_on_handover`).
+Trio thread takes it from the stream (``GroupSource.settle_on_handover``).
 ``take()`` takes groups as they arrive (taking is what frees generation capacity, so a take
 of more groups than the pipeline may hold must take as it goes); when it times out, the
 groups it took are kept and handed out first by the next call. A weight update can make a
@@ -43,19 +43,9 @@ from trio_rollouts._checks import check_seconds
 from trio_rollouts.agents._base import GroupedRolloutGenerator
 from trio_rollouts.bridge._thread import HeldContext, TrioThread
 from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup
+from trio_rollouts.pipeline._epochs import WeightUpdate, exceeds_bound
 from trio_rollouts.pipeline._ledger import RolloutStreamStatistics
-from trio_rollouts.pipeline._stream import (
-    RolloutStream,
-    enforces_order,
-    is_closed,
-    is_too_old,
-    put_back,
-    return_stale,
-    settle_handed,
-    settle_on_handover,
-    staleness_bound,
-)
-from trio_rollouts.pipeline._weight_update import WeightUpdate
+from trio_rollouts.pipeline._stream import GroupSource, RolloutStream, source_of
 
 if TYPE_CHECKING:
     from trio_rollouts.inference import InferenceInterface, WeightUpdateMode
@@ -141,36 +131,48 @@ class _PipelineSource:
     def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
         # Checks run here, in the caller's thread, before a thread is started.
         self._pipeline = agent.get_grouped_rollouts(request)
-        self._stream: RolloutStream | None = None
+        self._source: GroupSource | None = None
         self._settles = False
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[RolloutStream]:
         async with self._pipeline as stream:
-            self._settles = settle_on_handover(stream)
-            self._stream = stream
+            source = source_of(stream)
+            self._settles = source.settle_on_handover()
+            self._source = source
             yield stream
 
     def handed(self, group: RolloutGroup) -> None:
-        # The stream's record of the group's draws is only popped: thread-safe.
-        if self._settles and self._stream is not None:
-            settle_handed(self._stream, group.batch_id, group.index_in_batch)
+        # Settling is thread-safe.
+        if self._settles and self._source is not None:
+            self._source.handed((group.batch_id, group.index_in_batch))
 
     def kept_after_update(self, kept: list[RolloutGroup], epoch: int) -> list[RolloutGroup]:
-        stream = self._stream
-        if stream is None or not kept or is_closed(stream):
+        source = self._source
+        if source is None or not kept or source.closed:
             return kept
-        bound = staleness_bound(stream)
-        if not any(is_too_old(group, epoch, bound) for group in kept):
-            return kept
-        if enforces_order(stream):
-            # Kept groups come first in batch order: all go back to the front of the
-            # stream, whose eviction at the update's exit regenerates the stale ones and
-            # holds back the groups after them until their slots are filled again.
-            put_back(stream, kept)
-            return []
-        return_stale(stream, [group for group in kept if is_too_old(group, epoch, bound)])
-        return [group for group in kept if not is_too_old(group, epoch, bound)]
+        return give_back_stale(source, kept, epoch)
+
+
+def give_back_stale(
+    source: GroupSource, kept: list[RolloutGroup], epoch: int
+) -> list[RolloutGroup]:
+    """The groups of ``kept`` (taken from ``source``, in order, not handed on yet) that
+    ``epoch`` makes too old go back to ``source`` to be generated again; return those the
+    caller keeps. With ``enforce_order`` every kept group goes back, first in line: the
+    stale ones are regenerated when the epoch moves, and the order stays gap-free. Trio
+    thread."""
+    bound = source.max_staleness
+    if not any(exceeds_bound(group.start_epoch, epoch, bound) for group in kept):
+        return kept
+    if source.enforce_order:
+        source.take_back(kept, regenerate=False)
+        return []
+    source.take_back(
+        [group for group in kept if exceeds_bound(group.start_epoch, epoch, bound)],
+        regenerate=True,
+    )
+    return [group for group in kept if not exceeds_bound(group.start_epoch, epoch, bound)]
 
 
 # --------------------------------------------------------------------------- weight updates

@@ -39,6 +39,7 @@ from trio_rollouts._checks import int_at_least as _int_at_least
 from trio_rollouts._checks import optional_int_at_least as _optional_int_at_least
 from trio_rollouts._checks import seconds as _seconds
 from trio_rollouts._concurrency import gather, real_leaves
+from trio_rollouts._context import call_start_epoch
 from trio_rollouts.agents._base import GroupedRolloutGenerator
 from trio_rollouts.agents._environment import (
     BaseEnvironment,
@@ -73,7 +74,6 @@ from trio_rollouts.models._records import (
     TokenRollout,
 )
 from trio_rollouts.pipeline._cuts import cuts_possible, run_members
-from trio_rollouts.pipeline._epochs import call_start_epoch
 from trio_rollouts.pipeline._failure import StepTimeoutError
 from trio_rollouts.pipeline._sampling import request_seed, sampling_span, seeded
 from trio_rollouts.renderers import AssistantTurn, Renderer

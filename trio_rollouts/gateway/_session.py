@@ -34,6 +34,7 @@ from typing import Any
 
 import attrs
 
+from trio_rollouts._context import call_start_epoch
 from trio_rollouts.episodes._agent import (
     RANK,
     Element,
@@ -56,7 +57,6 @@ from trio_rollouts.inference import (
 from trio_rollouts.inference._sampling import derive_seed
 from trio_rollouts.models._messages import ChatMessage, GenerationArgs
 from trio_rollouts.models._records import Problem, TokenRollout
-from trio_rollouts.pipeline._epochs import call_start_epoch
 from trio_rollouts.pipeline._sampling import seeded
 from trio_rollouts.renderers import AssistantTurn, Renderer
 

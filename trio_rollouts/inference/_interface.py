@@ -18,10 +18,9 @@ from typing import Any, ClassVar, Final, Self
 import attrs
 import trio
 
-from trio_rollouts.inference._placement import call_progress
+from trio_rollouts._context import current_call
 from trio_rollouts.inference._sampling import LogprobsMode
 from trio_rollouts.models._messages import ChatMessage, GenerationArgs
-from trio_rollouts.pipeline._tracing import current_sample
 
 __all__ = [
     "CODE_POINTS",
@@ -287,10 +286,11 @@ class InferenceInterface(abc.ABC):
                 "(EmbeddedInference, OpenAIInference with token_prompts=True)"
             )
             raise TypeError(msg)
-        progress = call_progress.get()
+        context = current_call()
+        progress = context.progress
         if progress is None:
             response = await self.base_generate(request)
-            sample = current_sample.get()
+            sample = context.span
             if sample is not None:
                 sample.first_event("first_response")
             return response

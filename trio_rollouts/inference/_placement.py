@@ -16,15 +16,14 @@ there. :class:`Placement` picks a replica for each call (``OpenAIInference`` wit
   (which becomes the group's, and the episode's, replica). A call outside any group
   (outside the pipeline) is placed as ``"least_loaded"``.
 
-The pipeline tells the backend which group a call belongs to through :data:`call_group`
-(``(run seed, batch id, index)``), and the library's agents tell it the episode through
-:data:`call_episode` (the member's index), as the pipeline tells it the epoch. Placement
+The call context (``trio_rollouts._context.CallContext``) tells the backend which group a
+call belongs to (``group``: ``(run seed, batch id, index)``, set by the pipeline) and
+which episode (``episode``: the member's index, set by the library's agents). Placement
 is a pure function of the keys and the order of calls: two seeded runs place alike.
 """
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 from collections.abc import Hashable, Sequence
 from typing import Any, Final, Literal
@@ -32,6 +31,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from trio_rollouts._checks import int_at_least
+from trio_rollouts._context import CallProgress, FieldVar, call_context
 
 __all__ = [
     "DEFAULT_ROUTING_MARGIN",
@@ -56,51 +56,20 @@ ROUTINGS: Final[tuple[Routing, ...]] = ("group", "least_loaded", "round_robin")
 #: the group's next call goes elsewhere.
 DEFAULT_ROUTING_MARGIN: Final = 2
 
-#: The group of the current call: ``(run seed or 0, batch id, index in the batch)``, set
-#: by the pipeline's worker before each ``group_rollout`` call (tasks the agent starts
-#: inherit it). ``None`` outside the pipeline.
-call_group: contextvars.ContextVar[tuple[int, int, int] | None] = contextvars.ContextVar(
-    "trio_rollouts_call_group", default=None
-)
-
-#: The episode (member index in its group) of the current call, set by the library's
-#: agents around each member's calls. ``None`` for calls made for the group as a whole.
-call_episode: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "trio_rollouts_call_episode", default=None
-)
-
-
-class CallProgress:
-    """What one member's calls have generated, for a member that is cut (``_cuts.py``):
-    the library's agents set one per member through :data:`call_progress`, and
-    ``InferenceInterface.agenerate`` adds each finished call's generated tokens. A
-    cancelled call adds what its backend reports (the embedded backend knows to the
-    token); a backend that cannot tell makes the count unknown (``known`` false)."""
-
-    __slots__ = ("generated_tokens", "known")
-
-    def __init__(self) -> None:
-        self.generated_tokens = 0
-        self.known = True
-
-    def total(self) -> int | None:
-        """The tokens generated, or ``None`` when some call's are unknown."""
-        return self.generated_tokens if self.known else None
-
-
-#: The current member's :class:`CallProgress` (``None``: nobody counts).
-call_progress: contextvars.ContextVar[CallProgress | None] = contextvars.ContextVar(
-    "trio_rollouts_call_progress", default=None
-)
+#: The fields of the call context placement reads (see ``trio_rollouts._context``).
+call_group = FieldVar("group", unset_default=True)
+call_episode = FieldVar("episode", unset_default=True)
+call_progress = FieldVar("progress", unset_default=True)
 
 #: Sticky entries kept (oldest forgotten first): far more groups than are ever in flight.
 _REMEMBERED: Final = 1 << 16
 
 
 def current_call() -> tuple[tuple[int, int, int] | None, int | None]:
-    """The group and episode of the calling task's call (:data:`call_group`,
-    :data:`call_episode`), for :meth:`Placement.pick`."""
-    return call_group.get(), call_episode.get()
+    """The group and episode of the calling task's call (from its call context), for
+    :meth:`Placement.pick`."""
+    context = call_context.get()
+    return context.group, context.episode
 
 
 def check_routing(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -21,107 +21,30 @@ Every member cancelled by either rule is a :class:`Cut`: the ledger counts it (`
 ``wasted_tokens``) when it happens and the group that is delivered lists its own
 (``RolloutGroup.cuts``), so a trainer can measure the bias towards short answers.
 
-How the pieces meet: each pipeline worker owns a :class:`GroupCall`, reachable from the
-agent's tasks through :data:`current_group_call`; :func:`run_members` (the agents' member
-runner) books cuts on it and waits on it for the pipeline's cut signal, which
-``Pipeline.advance_epoch`` gives (:meth:`GroupCall.cut_at`). Custom agents keep the
-group-level rule: nothing here acts unless an agent calls :func:`run_members`.
+How the pieces meet: each call the pipeline makes has a
+:class:`~trio_rollouts._context.GroupCall` in its call context (``CallContext.call``);
+:func:`run_members` (the agents' member runner) books cuts on it and waits on it for the
+pipeline's cut signal, which ``Pipeline.advance_epoch`` gives (``GroupCall.cut_at``).
+Custom agents keep the group-level rule: nothing here acts unless an agent calls
+:func:`run_members`.
 """
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import attrs
 import trio
 
 from trio_rollouts._concurrency import flatten_exception_groups
+from trio_rollouts._context import CallProgress, GroupCall, calling, current_call
 from trio_rollouts.inference import Pausable
-from trio_rollouts.inference._placement import CallProgress, call_progress
 from trio_rollouts.models._records import Cut
-from trio_rollouts.pipeline._epochs import call_start_epoch
 
-if TYPE_CHECKING:
-    from trio_rollouts.pipeline._ledger import Ledger
-
-__all__ = ["GroupCall", "current_group_call", "cuts_possible", "run_members"]
+__all__ = ["cuts_possible", "run_members"]
 
 T = TypeVar("T")
-
-
-class GroupCall:
-    """Worker ``number``'s ``group_rollout`` call as :func:`run_members` sees it: the
-    cuts it made (booked in the ledger at once), the cut signal the pipeline gives at
-    the bound, and the epoch the call counts as started under (``call_epoch[number]``,
-    the workers' own record, which weight updates read).
-
-    Threads: the pipeline's Trio thread only.
-    """
-
-    __slots__ = ("call_epoch", "cut_epoch", "cuts", "ledger", "number", "watchers")
-
-    def __init__(self, number: int, call_epoch: list[int | None], ledger: Ledger) -> None:
-        self.number = number
-        self.call_epoch = call_epoch
-        self.ledger = ledger
-        #: The cuts of the current call (the pipeline takes them with its group).
-        self.cuts: list[Cut] = []
-        #: :func:`run_members` waiting for the cut signal (usually one).
-        self.watchers: list[trio.Event] = []
-        #: The epoch of the last cut signal: members start again under it.
-        self.cut_epoch = 0
-
-    def book(self, cut: Cut) -> None:
-        """A member was cut: count it now (``cut``, ``wasted_tokens``) and keep it for
-        the group."""
-        ledger = self.ledger
-        ledger.cut += 1
-        if cut.generated_tokens is not None:
-            ledger.wasted_tokens += cut.generated_tokens
-        self.cuts.append(cut)
-
-    def start_epoch(self) -> int | None:
-        """The epoch the call counts as started under (``None``: no call in flight)."""
-        return self.call_epoch[self.number]
-
-    def started_again(self, epoch: int) -> None:
-        """Every member the call keeps started under ``epoch`` or later: the bound
-        measures the call, and its group, from there."""
-        if self.call_epoch[self.number] is not None:
-            self.call_epoch[self.number] = epoch
-
-    def watch(self) -> trio.Event:
-        """An event set at the next cut signal for this call."""
-        event = trio.Event()
-        self.watchers.append(event)
-        return event
-
-    def unwatch(self, event: trio.Event) -> None:
-        if event in self.watchers:
-            self.watchers.remove(event)
-
-    def cut_at(self, epoch: int) -> None:
-        """The pipeline's signal: the stream is now at ``epoch``, where the call is as
-        old as the bound allows; members still running are cut."""
-        self.cut_epoch = epoch
-        watchers, self.watchers = self.watchers, []
-        for event in watchers:
-            event.set()
-
-    def taken(self) -> tuple[Cut, ...]:
-        """The call's cuts, for its group (and forget them)."""
-        cuts = tuple(self.cuts)
-        self.cuts.clear()
-        return cuts
-
-
-#: The current worker's :class:`GroupCall`, set once per worker task by the pipeline
-#: (tasks the agent starts inherit it). ``None`` outside the pipeline.
-current_group_call: contextvars.ContextVar[GroupCall | None] = contextvars.ContextVar(
-    "trio_rollouts_current_group_call", default=None
-)
 
 
 @attrs.define(eq=False)
@@ -157,13 +80,12 @@ async def run_members(
     Cancellation: cancelling this cancels every member; it returns or raises only after
     all of them have exited.
     """
-    call = current_group_call.get()
+    context = current_call()
+    call = context.call
     total = size + extra
     kept: dict[int, tuple[int, int, T]] = {}  # member -> (draw, epoch, result)
     running: dict[int, _Attempt] = {}
-    first_epoch = call_start_epoch.get(None)
-    if first_epoch is None:
-        first_epoch = 0
+    first_epoch = 0 if context.start_epoch is None else context.start_epoch
     next_draw = total
 
     async def run(
@@ -174,10 +96,7 @@ async def run_members(
         # Started one at a time (see launch): each member runs to its first checkpoint
         # (where a backend fixes its sample) before the next starts.
         task_status.started()
-        call_progress.set(attempt.progress)
-        if attempt.epoch != first_epoch:
-            call_start_epoch.set(attempt.epoch)
-        with attempt.scope:
+        with calling(progress=attempt.progress, start_epoch=attempt.epoch), attempt.scope:
             result = await member(attempt.draw)
         # Only cut_all cancels the scope, and it marks the attempt cut first.
         if attempt.cut_at is not None:
@@ -240,6 +159,6 @@ def cuts_possible(max_staleness: int | None, interface: object) -> bool:
     """Whether members of a call may be cut at the bound: there is a bound, the call runs
     in a pipeline, and the backend can hold calls through an update (``keep`` or
     ``abort``), the only updates that leave calls in flight."""
-    if max_staleness is None or current_group_call.get() is None:
+    if max_staleness is None or current_call().call is None:
         return False
     return isinstance(interface, Pausable) and bool({"keep", "abort"} & interface.supported_modes)

@@ -1,6 +1,6 @@
 """What the grouped pipeline does when a group fails: deadlines, retries, skip or raise.
 
-A :class:`FailurePolicy` is a declaration; ``_pipeline.py`` carries it out. A group
+A :class:`FailurePolicy` is a declaration; ``_attempts.py`` carries it out. A group
 attempt fails when ``group_rollout`` raises or runs past ``group_timeout``
 (:class:`GroupTimeoutError`). A *transient* failure (``retry_on``) is retried in the same
 slot with exponential backoff and jitter (stamina), up to ``max_attempts`` attempts in
@@ -143,12 +143,6 @@ class FailurePolicy:
         (the first, the others in its note) unless every one of them is."""
         leaves = real_leaves(exc)
         return bool(leaves) and all(isinstance(leaf, self.retry_on) for leaf in leaves)
-
-    @property
-    def is_trivial(self) -> bool:
-        """Whether the policy changes nothing (no deadline, no retry, failures raise), which
-        lets the pipeline take its fast path."""
-        return self.group_timeout is None and self.max_attempts == 1 and self.on_failure == "raise"
 
 
 def log_skipped(

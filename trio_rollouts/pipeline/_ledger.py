@@ -1,6 +1,6 @@
 """The ledger: every counter of a grouped pipeline, and the statistics built from them.
 
-Invariant 7 of ``_pipeline.py``: every started ``group_rollout`` call ends delivered,
+Invariant 7 (``docs/reference-design.md``): every started ``group_rollout`` call ends delivered,
 filtered, retried, skipped, raised, cancelled, restarted or stale, or is still in flight,
 waiting to be retried, or pending, so :attr:`RolloutStreamStatistics.unaccounted` is 0 at
 every instant. The workers book what happens through :class:`Ledger`'s counters and

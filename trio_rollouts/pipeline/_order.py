@@ -1,5 +1,5 @@
 """Ordering (``enforce_order``): whole batches in ``batch_id`` order, groups by
-``index_in_batch`` (invariant 8 of ``_pipeline.py``).
+``index_in_batch`` (invariant 8 in ``docs/reference-design.md``).
 
 Groups are reordered where they are taken, so ordering costs no task: the stream puts
 each group it pulls from the buffer into :class:`BatchOrder`, and hands out only what

@@ -15,10 +15,10 @@ record, and the check that names biased combinations when a stream opens.
 
 from __future__ import annotations
 
-import contextvars
 import warnings
 from typing import Protocol, runtime_checkable
 
+from trio_rollouts._context import current_call
 from trio_rollouts.inference._interface import (
     InferenceInterface,
     InferenceResponse,
@@ -28,14 +28,10 @@ from trio_rollouts.inference._pausable import Pausable
 from trio_rollouts.inference._sampling import ReplicaProbe, derive_seed
 from trio_rollouts.models._messages import GenerationArgs
 from trio_rollouts.models._records import GroupedRolloutRequest, SamplingSpan
-from trio_rollouts.pipeline._epochs import call_start_epoch
-from trio_rollouts.prompts._draws import current_draws
 
 __all__ = [
     "SamplingBiasError",
     "SamplingBiasWarning",
-    "call_attempt",
-    "call_slot",
     "check_sampling",
     "request_seed",
     "sampling_span",
@@ -55,20 +51,6 @@ class SamplingBiasError(ValueError):
     importance ratios, and ``sampling_check="raise"`` was asked: raised when the stream
     opens, before any work. The message names the combination, the replica and the
     server flag that fixes it."""
-
-
-#: The number of the pipeline's attempt at the current group (1 for the first; a retry
-#: after a transient failure counts up), set around each retry by the pipeline.
-call_attempt: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "trio_rollouts_call_attempt", default=1
-)
-
-
-#: The slot ``(batch id, index in the batch)`` of the current group call, set by the
-#: pipeline when the request has a run seed.
-call_slot: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
-    "trio_rollouts_call_slot", default=None
-)
 
 
 @runtime_checkable
@@ -93,11 +75,12 @@ def request_seed(
     neither is set), else a stable hash (see the module docstring). Not a checkpoint."""
     if request.seed is None:
         return request.generation_args.seed
-    epoch = call_start_epoch.get(None)
+    context = current_call()
+    epoch = context.start_epoch
     if epoch is None:
         epoch = interface.policy_epoch if isinstance(interface, Pausable) else 0
     found = None
-    for draw in reversed(current_draws.get() or ()):
+    for draw in reversed(context.draws or ()):
         if draw.problem_id == problem_id:
             found = draw
             break
@@ -112,13 +95,13 @@ def request_seed(
     if found is None:
         # Not drawn from a PromptSource (an agent's own get_prompt): the same problem may
         # come in several groups, told apart by their slot in the stream.
-        slot = call_slot.get()
+        slot = context.slot
         if slot is not None:
             parts.extend(("slot", *slot))
     elif found.again:
         # Given back (a skipped or dropped group) and drawn again in this process.
         parts.extend(("again", found.again))
-    attempt = call_attempt.get()
+    attempt = context.attempt
     if attempt > 1:
         parts.extend(("attempt", attempt))
     return derive_seed(*parts)

@@ -20,14 +20,15 @@ Threads: the pipeline's Trio thread only.
 
 from __future__ import annotations
 
-import contextvars
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-__all__ = ["Sample", "SampleSpans", "TracingState", "current_sample", "state", "traced"]
+from trio_rollouts._context import FieldVar, Sample, calling
+
+__all__ = ["SampleSpans", "TracingState", "current_sample", "state", "traced"]
 
 
 class TracingState:
@@ -43,27 +44,8 @@ class TracingState:
 state = TracingState()
 
 
-class Sample:
-    """The span of one ``group_rollout`` call, and which first events it has had."""
-
-    __slots__ = ("first", "span")
-
-    def __init__(self, span: Any) -> None:
-        self.span = span
-        self.first = False
-
-    def first_event(self, name: str) -> None:
-        """``first_token`` or ``first_response``, once per call."""
-        if not self.first:
-            self.first = True
-            self.span.add_event(name)
-
-
-#: The current call's :class:`Sample` (``None``: not traced). Tasks the agent starts
-#: inherit it.
-current_sample: contextvars.ContextVar[Sample | None] = contextvars.ContextVar(
-    "trio_rollouts_current_sample", default=None
-)
+#: The current call's :class:`Sample` (the call context's ``span``).
+current_sample = FieldVar("span", unset_default=True)
 
 
 def _mean_reward(result: object) -> float | None:
@@ -137,9 +119,9 @@ def traced(
             attributes={"rl.batch_id": batch_id, "rl.index": index, "rl.start_epoch": epoch()},
         )
         span.add_event("admitted")
-        token = current_sample.set(Sample(span))
         try:
-            result = await generate(batch_id, index)
+            with calling(span=Sample(span)):
+                result = await generate(batch_id, index)
         except BaseException as exc:
             cancelled = isinstance(exc, trio.Cancelled) or (
                 isinstance(exc, BaseExceptionGroup)
@@ -149,8 +131,6 @@ def traced(
                 span.record_exception(exc)
             SampleSpans.ended_span(span, "cancelled" if cancelled else "failed")
             raise
-        finally:
-            current_sample.reset(token)
         span.add_event("done")
         reward = _mean_reward(result)
         if reward is not None:

@@ -1,42 +1,20 @@
-"""Prompt settlement: how a ``group_rollout`` call's prompt draws reach the pipeline, and
-the book that settles them exactly once (see ``_prompts.py`` and invariant 10 of
-``_pipeline.py``).
+"""Prompt settlement: the book that settles a call's prompt draws exactly once (see
+``_source.py``; invariant 11 in ``docs/reference-design.md``).
 
-The pipeline sets :data:`current_draws` to a fresh list around each call it makes for an
-agent that draws prompts; :meth:`PromptSource.draw` appends a :class:`Draw` to it (child
-tasks of the call inherit the variable, so draws made in the call's own nursery count
-too). A draw is settled once: *done* (its group was taken or filtered) or *given back*
-(drawn again before any new problem). This module has no dependencies, so the pipeline
-and the sources import it without a cycle.
+The pipeline gives each call it makes for an agent that draws prompts a fresh list in
+the call's context (``CallContext.draws``); :meth:`PromptSource.draw` appends a
+:class:`Draw` to it (child tasks of the call inherit the context, so draws made in the
+call's own nursery count too). A draw is settled once: *done* (its group was taken or
+filtered) or *given back* (drawn again before any new problem).
 """
 
 from __future__ import annotations
 
-import contextvars
 import threading
-from collections.abc import Callable
-from typing import NamedTuple
 
-__all__ = ["Draw", "DrawBook", "current_draws", "finish", "give_back"]
+from trio_rollouts._context import Draw
 
-
-class Draw(NamedTuple):
-    """One draw: how to settle it, the epoch it was drawn for, and the problem's id.
-    ``settle(epoch, problem_id, done)`` is the source's own: ``done`` true when the
-    problem is done, false when it is to be drawn again."""
-
-    settle: Callable[[int, str, bool], None]
-    epoch: int
-    problem_id: str
-    #: How many times this (epoch, problem) was given back before this draw, in the
-    #: source's life in this process (request seeds tell the draws apart by it).
-    again: int = 0
-
-
-#: The draws of the ``group_rollout`` call running in this task (set by the pipeline).
-current_draws: contextvars.ContextVar[list[Draw] | None] = contextvars.ContextVar(
-    "trio_rollouts prompt draws", default=None
-)
+__all__ = ["Draw", "DrawBook", "finish", "give_back"]
 
 
 def finish(draws: list[Draw]) -> None:

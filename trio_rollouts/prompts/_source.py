@@ -28,8 +28,8 @@ from typing import Any, Final
 import numpy as np
 
 from trio_rollouts._checks import is_int
+from trio_rollouts._context import Draw, current_call
 from trio_rollouts.models._records import Problem, ProblemLike, as_problem
-from trio_rollouts.prompts._draws import Draw, current_draws
 
 __all__ = ["PromptSource"]
 
@@ -171,7 +171,7 @@ class PromptSource:
                 key = (self._epoch, problem.problem_id)
                 self._position += 1
             self._out[key] = None
-        draws = current_draws.get()
+        draws = current_call().draws
         if draws is not None:
             draws.append(Draw(self._settle, key[0], key[1], self._given_back.get(key, 0)))
         return self._problems[self._index[key[1]]]

@@ -30,16 +30,9 @@ from trio_rollouts.agents._base import GroupedRolloutGenerator
 from trio_rollouts.bridge._thread import ContextGivenUp, HeldContext, TrioThread, TrioThreadStopped
 from trio_rollouts.inference import WeightUpdateMode
 from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup
+from trio_rollouts.pipeline._epochs import WeightUpdate
 from trio_rollouts.pipeline._ledger import RolloutStreamStatistics
-from trio_rollouts.pipeline._stream import (
-    RolloutStream,
-    put_back,
-    return_stale,
-    settle_handed,
-    settle_on_handover,
-    staleness_bound,
-)
-from trio_rollouts.pipeline._weight_update import WeightUpdate
+from trio_rollouts.pipeline._stream import RolloutStream, source_of
 from trio_rollouts.prompts._source import PromptSource
 
 __all__ = [
@@ -223,7 +216,7 @@ class RolloutActor:
                 if isinstance(prompts, PromptSource)
                 else None
             ),
-            max_staleness=staleness_bound(stream),
+            max_staleness=source_of(stream).max_staleness,
         )
 
     def _call(self, afn: Callable[[], Awaitable[T]]) -> T:
@@ -282,9 +275,9 @@ class RolloutActor:
 
         async def collect() -> RolloutActorReply:
             if given_back:
-                put_back(stream, given_back)
+                source_of(stream).take_back(given_back, regenerate=False)
             if stale:
-                return_stale(stream, stale)
+                source_of(stream).take_back(stale, regenerate=True)
             groups: list[RolloutGroup] = []
             ended = False
             with trio.move_on_after(math.inf if timeout is None else timeout):
@@ -324,7 +317,7 @@ class RolloutActor:
         if not self._caller_settles or stream is None:
             return
         for batch_id, index in slots:
-            settle_handed(stream, batch_id, index)
+            source_of(stream).handed((batch_id, index))
 
     def prompts_state(self, slots: list[tuple[int, int]] | None = None) -> dict[str, Any]:
         """:meth:`settle` ``slots``, then return the agent's ``prompts.state_dict()``
@@ -462,4 +455,4 @@ async def _opened(
     async with pipeline as stream:
         # A group served to the merge may wait there, and be lost at a crash: its draw
         # is done when settle() says it was handed on.
-        yield stream, caller_settles and settle_on_handover(stream)
+        yield stream, caller_settles and source_of(stream).settle_on_handover()

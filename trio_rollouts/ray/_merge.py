@@ -88,13 +88,15 @@ import trio
 from trio_rollouts._concurrency import flatten_exception_groups
 from trio_rollouts.inference import InferenceInterface, WeightUpdateMode
 from trio_rollouts.models._records import RolloutGroup
+from trio_rollouts.pipeline._epochs import (
+    WeightUpdate,
+    checked_epoch,
+    checked_mode,
+    exceeds_bound,
+)
 from trio_rollouts.pipeline._ledger import EnvironmentStatistics, RolloutStreamStatistics
 from trio_rollouts.pipeline._metrics import MetricsBook
-from trio_rollouts.pipeline._stream import (
-    drain_ready,
-    is_too_old,
-)
-from trio_rollouts.pipeline._weight_update import WeightUpdate, checked_epoch, checked_mode
+from trio_rollouts.pipeline._stream import drain_ready
 from trio_rollouts.prompts._source import PromptSource
 from trio_rollouts.ray._actor import (
     FINAL_SEQUENCE,
@@ -595,7 +597,7 @@ class RayRolloutStream:
         back to its actor, and with ``enforce_order`` the lane's groups after it (the
         actor holds back what comes after the slot until it is filled again). Returns
         whether it was given back."""
-        if not is_too_old(group, self._policy_epoch, lane.bound):
+        if not exceeds_bound(group.start_epoch, self._policy_epoch, lane.bound):
             return False
         back = [group]
         if self._enforce_order:

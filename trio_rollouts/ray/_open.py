@@ -12,7 +12,7 @@ from typing import Any, cast
 import trio
 
 from trio_rollouts._checks import check_natural, check_seconds
-from trio_rollouts.agents._base import GroupedRolloutGenerator, draws_prompts
+from trio_rollouts.agents._base import GroupedRolloutGenerator, check_grouped_request, draws_prompts
 from trio_rollouts.bridge._blocking import (
     BlockingContext,
     BlockingRolloutStream,
@@ -21,7 +21,6 @@ from trio_rollouts.bridge._blocking import (
     drive,
 )
 from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup
-from trio_rollouts.pipeline._run import check_grouped_request
 from trio_rollouts.prompts._source import PromptSource
 from trio_rollouts.ray._actor import (
     ACTOR_CONCURRENCY,

@@ -26,6 +26,7 @@ import numpy.typing as npt
 import trio
 
 from trio_rollouts._checks import check_natural, int_at_least, non_negative
+from trio_rollouts._context import call_start_epoch, current_sample
 from trio_rollouts.inference._interface import (
     CODE_POINTS,
     AcceptsTokens,
@@ -60,8 +61,6 @@ from trio_rollouts.inference.embedded._engine import (
     settle,
 )
 from trio_rollouts.models._messages import ChatMessage, GenerationArgs
-from trio_rollouts.pipeline._epochs import call_start_epoch
-from trio_rollouts.pipeline._tracing import current_sample
 
 __all__ = [
     "EmbeddedInference",

@@ -35,6 +35,7 @@ import trio
 
 from trio_rollouts._checks import check_bool, int_at_least, is_real
 from trio_rollouts._concurrency import flatten_exception_groups
+from trio_rollouts._context import call_start_epoch
 from trio_rollouts.inference._config import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT,
@@ -121,7 +122,6 @@ from trio_rollouts.inference.openai._vllm import (
     probe_logprobs_mode,
 )
 from trio_rollouts.models._messages import ChatMessage
-from trio_rollouts.pipeline._epochs import call_start_epoch
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
