@@ -171,15 +171,11 @@ class Pipeline:
             group = await self._attempts.group(slot)
             ledger.pending += 1
             try:
-                # Without a task switch while the buffer has room; else wait for room.
-                self._send.send_nowait(group)
-            except trio.WouldBlock:
-                try:
-                    await self._send.send(group)
-                except BaseException:
-                    ledger.pending -= 1
-                    ledger.cancelled += 1  # a finished group nobody took
-                    raise
+                await self._send.send(group)
+            except BaseException:
+                ledger.pending -= 1
+                ledger.cancelled += 1  # a finished group nobody took
+                raise
 
     async def _admit(self, admission: Admission, slot: Slot) -> None:
         """Wait until ``slot``'s first call may start inside the staleness bound, and no

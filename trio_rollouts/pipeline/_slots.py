@@ -64,16 +64,10 @@ class Slots:
     async def claim(self) -> Slot:
         """Wait for a free slot and claim it.
 
-        Cancellation: a cancellation point (a worker of a pipeline that is shutting down
-        claims nothing); a schedule point only when it has to wait. A worker that finds a
-        slot free goes on without a task switch: the slots are bounded by the consumer's
-        takes, so the loop cannot spin.
+        Cancellation: a checkpoint; a cancelled wait claims nothing (a worker of a
+        pipeline that is shutting down starts no call).
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self._tokens.acquire_nowait()
-        except trio.WouldBlock:
-            await self._tokens.acquire()
+        await self._tokens.acquire()
         return self._free.popleft()
 
     def oldest_batch(self) -> int:
