@@ -200,7 +200,7 @@ class _Server:
                 stats.sort_stats("tottime").print_stats(25)
                 print("The gateway's own functions:", file=out)
                 stats.sort_stats("cumulative").print_stats(
-                    r"(_session|_gateway|_http|_sse)\.py", 25
+                    r"(_element|_session|_gateway|_http|_sse)\.py", 25
                 )
                 await trio.Path(path).write_text(out.getvalue())
                 self.profiler = None

@@ -79,9 +79,9 @@ from trio_rollouts.inference import (
     EngineModel,
     EngineStatistics,
     InferenceResponse,
-    _embedded,
     render_plain_chat,
 )
+from trio_rollouts.inference.embedded import _backend as _embedded
 
 REPLICAS: Final = 4
 GROUP_SIZE: Final = 8

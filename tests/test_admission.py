@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 import trio_rollouts as tr
+from trio_rollouts._context import current_call
 from trio_rollouts.testing import ScriptedAgent, rollouts
 
 
@@ -107,7 +108,7 @@ async def test_waiting_slots_start_in_slot_order(autojump_clock: trio.testing.Mo
     order: list[tuple[int, int]] = []
 
     async def script(agent: ScriptedAgent, request: tr.GroupedRolloutRequest) -> list[tr.Rollout]:
-        slot = tr.inference._placement.call_group.get()
+        slot = current_call().group
         assert slot is not None
         order.append(slot[1:])
         await trio.sleep(1.0)

@@ -18,7 +18,7 @@ from _openai_server import FakeOpenAIServer, serving
 
 import trio_rollouts as tr
 from trio_rollouts import GenerationArgs
-from trio_rollouts._context import call_start_epoch
+from trio_rollouts._context import calling
 from trio_rollouts.inference import (
     CacheSaltCall,
     EmbeddedInference,
@@ -61,11 +61,8 @@ def ask(interface: OpenAIInference, **args: Any) -> InferenceRequest:
 @contextmanager
 def group_started_under(epoch: int) -> Iterator[None]:
     """What the pipeline's worker sets before a group's call: its start epoch."""
-    token = call_start_epoch.set(epoch)
-    try:
+    with calling(start_epoch=epoch):
         yield
-    finally:
-        call_start_epoch.reset(token)
 
 
 # --------------------------------------------------------------------------- the client

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trio_rollouts as tr
-from trio_rollouts._context import CallContext, GroupCall, call_context, current_call
+from trio_rollouts._context import CallContext, CallCuts, call_context, current_call
 from trio_rollouts.envs import CalculatorEnvironment
 from trio_rollouts.inference import (
     EmbeddedInference,
@@ -69,7 +69,7 @@ def scripted(durations: dict[int, float], tokens: dict[int, int] | None = None):
     return member
 
 
-def group_call(epoch: int = 0) -> tuple[GroupCall, Ledger]:
+def group_call(epoch: int = 0) -> tuple[CallCuts, Ledger]:
     """A call in flight under ``epoch``, in the running task's context, whose cuts are
     booked in a ledger of its own (as the pipeline books them)."""
     ledger = Ledger(None)
@@ -80,8 +80,8 @@ def group_call(epoch: int = 0) -> tuple[GroupCall, Ledger]:
         if cut.generated_tokens is not None:
             ledger.wasted_tokens += cut.generated_tokens
 
-    call = GroupCall(epoch, book)
-    call_context.set(CallContext(start_epoch=epoch, call=call))
+    call = CallCuts(epoch, book)
+    call_context.set(CallContext(start_epoch=epoch, cuts=call))
     return call, ledger
 
 

@@ -29,6 +29,7 @@ MODULES = {
     "trio_rollouts.testing": "trio_rollouts/testing.py",
     "trio_rollouts.ray": "trio_rollouts/ray/__init__.py",
     "trio_rollouts.gateway": "trio_rollouts/gateway/__init__.py",
+    "trio_rollouts.pipeline": "trio_rollouts/pipeline/__init__.py",
 }
 
 #: Public by convention but not API.

@@ -16,6 +16,7 @@ import trio.testing
 
 import trio_rollouts as tr
 from trio_rollouts import GenerationArgs
+from trio_rollouts._context import CallContext, call_context, current_call
 from trio_rollouts.inference import (
     EmbeddedInference,
     EngineModel,
@@ -24,7 +25,7 @@ from trio_rollouts.inference import (
     InferenceRequest,
     InferenceResponse,
 )
-from trio_rollouts.inference._placement import Placement, call_episode, call_group
+from trio_rollouts.inference._placement import Placement
 
 #: Round numbers, so that times can be checked exactly.
 MODEL = EngineModel(
@@ -138,7 +139,7 @@ async def test_max_num_seqs_queues_the_rest_first_come_first_served(
     finished: list[int] = []
 
     async def one(i: int) -> None:
-        call_group.set((0, 0, i))  # admission order among simultaneous calls
+        call_context.set(CallContext(group=(0, 0, i)))  # admission order among simultaneous calls
         await interface.agenerate(ids_request(4, first=65 + i))
         finished.append(i)
 
@@ -181,7 +182,7 @@ async def test_when_blocks_run_out_the_newest_request_is_preempted_and_recompute
     responses: dict[int, InferenceResponse] = {}
 
     async def one(i: int) -> None:
-        call_group.set((0, 0, i))
+        call_context.set(CallContext(group=(0, 0, i)))
         responses[i] = await interface.agenerate(ids_request(8, first=65 + i))
 
     async with trio.open_nursery() as nursery:
@@ -329,7 +330,7 @@ async def spread(
 
 async def _spread(interface: EmbeddedInference, groups: int, calls_per_group: int) -> None:
     async def member(g: int) -> None:
-        call_group.set((0, g, 0))
+        call_context.set(CallContext(group=(0, g, 0)))
         await interface.agenerate(ids_request(40, first=65 + g))
 
     async with trio.open_nursery() as nursery:
@@ -374,7 +375,7 @@ async def test_the_first_call_of_a_group_is_not_always_on_the_first_replica(
     firsts = set()
     for g in range(16):
         interface = EmbeddedInference(engine=MODEL, replicas=4, policy=fixed("x"))
-        call_group.set((0, g, 0))
+        call_context.set(CallContext(group=(0, g, 0)))
         await interface.agenerate(ids_request(8))
         firsts.add(next(s.replica for s in interface.engine_statistics() if s.prompt_tokens))
     assert len(firsts) > 1
@@ -574,8 +575,8 @@ async def test_reward_only_agents_send_a_group_as_one_call_unless_asked_not_to(
 
 
 def test_episode_and_group_are_unset_outside_the_pipeline() -> None:
-    assert call_group.get() is None
-    assert call_episode.get() is None
+    assert current_call().group is None
+    assert current_call().episode is None
     assert math.isfinite(EngineModel().base)
 
 

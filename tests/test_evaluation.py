@@ -25,8 +25,8 @@ from trio_rollouts.agents._evaluation import (
 )
 from trio_rollouts.agents._multitask import WeightedMultiTask, WeightedTask
 from trio_rollouts.inference import InferenceInterface, InferenceRequest, InferenceResponse
+from trio_rollouts.models import Problem
 from trio_rollouts.models._convert import structure, unstructure
-from trio_rollouts.models._records import Problem
 from trio_rollouts.testing import ScriptedAgent, rollouts
 
 # ------------------------------------------------------------------------ pass@k

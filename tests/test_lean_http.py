@@ -29,14 +29,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_rollouts.inference import Timeout
-from trio_rollouts.inference.http import _pool as _lean_http
-from trio_rollouts.inference.http._pool import (
+from trio_rollouts.inference.http._pool import ConnectionPool, PoolStatistics
+from trio_rollouts.inference.http._wire import (
+    HAVE_LLHTTP,
     ConnectError,
-    ConnectionPool,
     ConnectTimeout,
     LeanHTTPError,
     NetworkError,
-    PoolStatistics,
     PoolTimeout,
     ReadError,
     ReadTimeout,
@@ -57,7 +56,7 @@ _PARSER = ["h11"]  # the response parser of the pools make_pool makes (set per t
     params=[
         pytest.param(
             "llhttp",
-            marks=pytest.mark.skipif(not _lean_http._HAVE_LLHTTP, reason="needs httptools"),
+            marks=pytest.mark.skipif(not HAVE_LLHTTP, reason="needs httptools"),
         ),
         "h11",
     ],
@@ -599,7 +598,7 @@ async def test_head_and_other_requests_share_a_connection() -> None:
 
 
 async def test_parser_choice() -> None:
-    expected = _lean_http._HAVE_LLHTTP
+    expected = HAVE_LLHTTP
     pool = ConnectionPool(max_connections=1, keepalive_expiry=1, timeouts=TIMEOUTS)
     assert pool._llhttp == expected
     with pytest.raises(ValueError, match="_parser='bogus'"):

@@ -19,6 +19,7 @@ import httpx2
 import pytest
 import stamina
 import trio
+import trio.testing
 from _openai_server import (
     DEFAULT_LOGPROB,
     FakeOpenAIServer,
@@ -923,6 +924,92 @@ async def test_async_with_closes_the_client(
         async with make(server.base_url) as interface:
             await interface.agenerate(ask(interface))
     assert _is_closed(clients[0])
+
+
+def _keeper_tasks() -> list[str]:
+    """The names of the running tasks that keep an interface's transport (system tasks)."""
+    names: list[str] = []
+    pending = [trio.lowlevel.current_root_task()]
+    while pending:
+        task = pending.pop()
+        if task.name.endswith("transport keeper"):
+            names.append(task.name)
+        for nursery in task.child_nurseries:
+            pending.extend(nursery.child_tasks)
+    return names
+
+
+async def test_async_with_owns_the_client_without_a_system_task(
+    server: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients = _record_clients(monkeypatch)
+    with trio.fail_after(PROMPT):
+        async with make(server.base_url) as interface:
+            assert len(clients) == 1  # opened on entry, before any request
+            await interface.agenerate(ask(interface))
+            await interface.agenerate(ask(interface))
+            assert _keeper_tasks() == []
+            assert not _is_closed(clients[0])
+    assert len(clients) == 1
+    assert _is_closed(clients[0])
+    assert interface.statistics().attempts == (2,)  # the block's counts are kept
+
+
+async def test_a_request_without_async_with_keeps_its_client_in_a_system_task(
+    server: FakeOpenAIServer,
+) -> None:
+    interface = make(server.base_url)
+    with trio.fail_after(PROMPT):
+        await interface.agenerate(ask(interface))
+        assert _keeper_tasks() == ["OpenAIInference transport keeper"]
+        await interface.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert _keeper_tasks() == []
+
+
+async def test_nested_async_with_closes_the_client_at_the_outermost_exit(
+    server: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients = _record_clients(monkeypatch)
+    interface = make(server.base_url)
+    with trio.fail_after(PROMPT):
+        async with interface:
+            async with interface:
+                await interface.agenerate(ask(interface))
+            assert not _is_closed(clients[0])
+            await interface.agenerate(ask(interface))
+        assert _is_closed(clients[0])
+    assert len(clients) == 1
+
+
+async def test_async_with_closes_the_client_when_the_block_is_cancelled(
+    server: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients = _record_clients(monkeypatch)
+    server.default = Reply(delay=10.0)
+    interface = make(server.base_url, max_retries=0)
+    with trio.fail_after(PROMPT):
+        with trio.move_on_after(0.2) as scope:
+            async with interface:
+                await interface.agenerate(ask(interface))
+    assert scope.cancelled_caught
+    assert _is_closed(clients[0])
+    assert interface.statistics().in_flight == (0,)
+
+
+async def test_async_with_takes_over_a_client_a_request_opened(
+    server: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients = _record_clients(monkeypatch)
+    interface = make(server.base_url)
+    with trio.fail_after(PROMPT):
+        await interface.agenerate(ask(interface))
+        async with interface:
+            await interface.agenerate(ask(interface))
+        assert _is_closed(clients[0])
+        await trio.testing.wait_all_tasks_blocked()
+        assert _keeper_tasks() == []
+    assert len(clients) == 1
 
 
 def test_sync_generate_works_twice_and_closes_each_client(

@@ -34,7 +34,7 @@ from trio_rollouts.inference import (
     ServerError,
     UnsupportedFieldError,
 )
-from trio_rollouts.inference.openai._parse import redact as _redact
+from trio_rollouts.inference._errors import redact as _redact
 
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
 PROMPT = 5.0

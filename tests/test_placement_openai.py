@@ -26,6 +26,7 @@ from _placement_server import GroupServer, GroupVLLM, serving
 from _vllm_native_server import NATIVE_LOGPROB, token_at
 
 from trio_rollouts import ChatMessage, GenerationArgs
+from trio_rollouts._context import calling
 from trio_rollouts.inference import (
     BadRequestError,
     GeneratesGroups,
@@ -35,7 +36,6 @@ from trio_rollouts.inference import (
     OpenAIInference,
     RetryBackoff,
 )
-from trio_rollouts.inference._placement import call_episode, call_group
 from trio_rollouts.inference._sampling import choice_seed, continuation_seed
 from trio_rollouts.inference.http._transport import LeanTransport
 
@@ -93,13 +93,8 @@ async def call(
 ) -> str:
     """One call made as the pipeline makes it for ``group`` (and an agent for
     ``episode``); the replica that answered."""
-    group_token = call_group.set(group)
-    episode_token = call_episode.set(episode)
-    try:
+    with calling(group=group, episode=episode):
         return replica_of(await interface.agenerate(ask(text)))
-    finally:
-        call_episode.reset(episode_token)
-        call_group.reset(group_token)
 
 
 class Held:
@@ -202,7 +197,7 @@ async def test_round_robin_takes_each_replica_in_turn_whatever_its_load(
 async def test_calls_outside_any_group_are_placed_least_loaded(
     three: list[GroupServer], autojump_clock: trio.testing.MockClock
 ) -> None:
-    interface = make(three)  # routing="group", no call_group set
+    interface = make(three)  # routing="group", no group in the call context
     async with trio.open_nursery() as nursery:
         held = Held(nursery, three)
         await held.start(interface)

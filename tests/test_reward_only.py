@@ -28,7 +28,7 @@ from trio_rollouts.inference import (
     LatencyModel,
     render_plain_chat,
 )
-from trio_rollouts.models._records import Problem
+from trio_rollouts.models import Problem
 
 PROBLEM = Problem(problem_id="p1", prompt="What is 2 + 2?", answer=4)
 STEADY = LatencyModel(first_token=1.0, per_token=1.0, distribution="constant")

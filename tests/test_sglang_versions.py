@@ -17,7 +17,7 @@ from _openai_server import FakeOpenAIServer, Reply, serving
 from trio_rollouts import GenerationArgs
 from trio_rollouts.inference import InferenceRequest, OpenAIInference, RetryBackoff
 from trio_rollouts.inference.openai._sglang import reply_spans
-from trio_rollouts.inference.openai._vllm import Span
+from trio_rollouts.inference.openai._versions import Span
 
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)
 

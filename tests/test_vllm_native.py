@@ -34,7 +34,7 @@ from trio_rollouts.inference import (
     render_plain_chat,
 )
 from trio_rollouts.inference._sampling import LogprobsMode, continuation_seed
-from trio_rollouts.inference.openai._vllm import ABORT_TIMEOUT
+from trio_rollouts.inference.openai._vllm_wire import ABORT_TIMEOUT
 from trio_rollouts.testing import ScriptedAgent
 
 NO_WAIT = RetryBackoff(initial=0.0, maximum=0.0, jitter=0.0)

@@ -3,7 +3,7 @@
 
 The pipeline makes each call of an agent's ``group_rollout`` inside a context that says
 which call it is: its slot in the stream, its attempt, the policy epoch it started under,
-the key its replicas are placed by, the prompt draws it makes, its :class:`GroupCall` (the
+the key its replicas are placed by, the prompt draws it makes, its :class:`CallCuts` (the
 cut signal at the staleness bound, and the cuts it booked) and its trace span. The
 library's agents narrow it for each member of the group (the episode, the member's
 progress, the epoch a restarted member started under), and the inference backends read
@@ -32,9 +32,9 @@ import trio
 __all__ = [
     "NO_CALL",
     "CallContext",
+    "CallCuts",
     "CallProgress",
     "Draw",
-    "GroupCall",
     "Sample",
     "call_context",
     "calling",
@@ -90,10 +90,11 @@ class Sample:
             self.span.add_event(name)
 
 
-class GroupCall:
-    """One ``group_rollout`` call as the pipeline and the library's agents share it: the
-    epoch it counts as started under, the cut signal the pipeline gives at the staleness
-    bound, and the cuts the agent made (booked at once through ``book_cut``).
+class CallCuts:
+    """The cuts of one ``group_rollout`` call, as the pipeline and the library's agents
+    share them: the epoch the call counts as started under, the cut signal the pipeline
+    gives at the staleness bound, and the cuts the agent made (booked at once through
+    ``book_cut``).
 
     Threads: the pipeline's Trio thread only.
     """
@@ -162,8 +163,8 @@ class CallContext:
     episode: int | None = None
     #: The prompt draws the call made so far (``PromptSource.draw`` appends to it).
     draws: list[Draw] | None = None
-    #: The call as the pipeline and the library's agents share it (cuts).
-    call: GroupCall | None = None
+    #: The call's cuts, as the pipeline and the library's agents share them.
+    cuts: CallCuts | None = None
     #: What this member has generated (for a cut).
     progress: CallProgress | None = None
     #: The call's trace span, when tracing is on.
@@ -195,39 +196,3 @@ def calling(**fields: Any) -> Iterator[CallContext]:
         yield context
     finally:
         call_context.reset(token)
-
-
-class FieldVar:
-    """One field of the call context behind a ``ContextVar``'s ``get``/``set``/``reset``:
-    ``set`` narrows the context, ``reset`` restores it."""
-
-    __slots__ = ("_name", "_unset_default")
-
-    def __init__(self, name: str, *, unset_default: bool = False) -> None:
-        self._name = name
-        # Whether get() without a default returns None (a variable declared with
-        # default=None) rather than raising LookupError when the field is unset.
-        self._unset_default = unset_default
-
-    def get(self, *default: Any) -> Any:
-        value = getattr(call_context.get(), self._name)
-        if value is None:
-            if default:
-                return default[0]
-            if self._unset_default:
-                return None
-            raise LookupError(self._name)
-        return value
-
-    def set(self, value: Any) -> contextvars.Token[CallContext]:
-        return call_context.set(attrs.evolve(call_context.get(), **{self._name: value}))
-
-    def reset(self, token: contextvars.Token[CallContext]) -> None:
-        call_context.reset(token)
-
-
-#: The start epoch of the current call (its context's ``start_epoch``), for code that reads
-#: it as a variable of its own.
-call_start_epoch = FieldVar("start_epoch")
-#: The span of the current call (its context's ``span``), read as a variable of its own.
-current_sample = FieldVar("span", unset_default=True)

@@ -50,7 +50,7 @@ import trio
 from run import PROBLEMS, CheckFailed, ToolReplies, check
 
 import trio_rollouts as tr
-from trio_rollouts._context import call_start_epoch
+from trio_rollouts._context import CallContext, call_context
 
 #: Seconds each pause is held while the server's token counter is watched.
 HOLD = 2.0
@@ -261,11 +261,11 @@ async def check_keep(vllm: VLLM) -> str:
 @contextlib.contextmanager
 def group_started_under(epoch: int) -> Any:
     """What the pipeline sets before a group's call: the epoch the group started under."""
-    token = call_start_epoch.set(epoch)
+    token = call_context.set(CallContext(start_epoch=epoch))
     try:
         yield
     finally:
-        call_start_epoch.reset(token)
+        call_context.reset(token)
 
 
 async def salted_hits(vllm: VLLM, cache_salt: Any, epoch: int) -> dict[str, float]:

@@ -47,6 +47,7 @@ from calibrate_engine import (  # noqa: E402
 )
 
 import trio_rollouts as tr  # noqa: E402
+from trio_rollouts._context import CallContext, call_context  # noqa: E402
 from trio_rollouts.inference import EmbeddedInference, EngineModel, InferenceRequest  # noqa: E402
 
 GROUPS = 4
@@ -124,7 +125,7 @@ def on_model(requests: list[tuple[list[int], int]]) -> dict[str, Any]:
     async def main() -> None:
         async def one(i: int) -> None:
             prompt, max_tokens = requests[i]
-            tr.inference._placement.call_group.set((0, 0, i))  # admitted in send order
+            call_context.set(CallContext(group=(0, 0, i)))  # admitted in send order
             await interface.agenerate(
                 InferenceRequest(
                     prompt=[],

@@ -3,7 +3,7 @@
 ``run.py`` starts both (``scale_out`` serves vLLM's RL route, ``processed`` only the
 OpenAI routes); here they are the two replicas of one ``OpenAIInference(server="vllm")``:
 the first takes the native route, the second falls back to ``/v1/completions`` (one
-warning). Each call carries its group's key as the pipeline sets it (``call_group``).
+warning). Each call carries its group's key as the pipeline sets it (the call context's ``group``).
 
 - **routing**: for ``routing`` in group / least_loaded / round_robin, the same workload:
   8 groups of 8 calls at once, each prompt a 256-token prefix shared by every group and a
@@ -42,8 +42,7 @@ from run import CheckFailed, check
 from sampling_checks import wait_for_tokens
 
 import trio_rollouts as tr
-from trio_rollouts._context import call_start_epoch
-from trio_rollouts.inference._placement import call_group
+from trio_rollouts._context import CallContext, call_context
 
 #: The workload: groups, calls per group, shared prefix, question lengths, tokens.
 GROUPS = 8
@@ -138,7 +137,7 @@ async def separate_calls(
         groups[index].append(await backend.agenerate(request(prompts[index])))
 
     async def group(index: int) -> None:
-        call_group.set((run, 0, index))
+        call_context.set(CallContext(group=(run, 0, index)))
         async with trio.open_nursery() as nursery:
             for _ in range(SIZE):
                 nursery.start_soon(member, index)
@@ -156,7 +155,7 @@ async def group_calls(
     groups: list[list[tr.InferenceResponse]] = [[] for _ in prompts]
 
     async def group(index: int) -> None:
-        call_group.set((run, 0, index))
+        call_context.set(CallContext(group=(run, 0, index)))
         groups[index] = await backend.agenerate_group(request(prompts[index]), SIZE)
 
     async with trio.open_nursery() as nursery:
@@ -332,7 +331,7 @@ async def check_priority(vllm: VLLM) -> str:
     finished: list[int] = []
 
     async def call(epoch: int, tokens: int) -> None:
-        call_start_epoch.set(epoch)
+        call_context.set(CallContext(start_epoch=epoch))
         prompt = [rng.randrange(VOCAB) for _ in range(64)]  # nothing shared in the cache
         await backend.agenerate(
             tr.InferenceRequest(

@@ -19,16 +19,9 @@ import attrs
 from trio_rollouts._checks import int_at_least as _int_at_least
 from trio_rollouts._concurrency import gather
 from trio_rollouts.inference._interface import require_raw
-from trio_rollouts.models._records import (
-    ContrastiveRollout,
-    EvaluationRequest,
-    EvaluationResponse,
-    GroupedRolloutRequest,
-    Rollout,
-    RolloutGroup,
-    RolloutRequest,
-    TokenRollout,
-)
+from trio_rollouts.models._evaluation import EvaluationResponse
+from trio_rollouts.models._requests import EvaluationRequest, GroupedRolloutRequest, RolloutRequest
+from trio_rollouts.models._rollouts import ContrastiveRollout, Rollout, RolloutGroup, TokenRollout
 from trio_rollouts.pipeline._failure import FailurePolicy
 from trio_rollouts.pipeline._run import PipelineConfig, open_pipeline
 from trio_rollouts.pipeline._stream import RolloutStream

@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from trio_rollouts._checks import is_real
-from trio_rollouts.models._messages import ChatMessage
+from trio_rollouts._messages import ChatMessage
 from trio_rollouts.renderers import AssistantTurn
 
 __all__ = [

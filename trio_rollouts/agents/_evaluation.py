@@ -22,16 +22,11 @@ import numpy as np
 
 from trio_rollouts._checks import int_at_least
 from trio_rollouts._concurrency import gather_bounded
+from trio_rollouts._messages import GenerationArgs
 from trio_rollouts.agents._base import EvaluationAgent
-from trio_rollouts.models._records import (
-    EvaluationRequest,
-    EvaluationResponse,
-    GenerationArgs,
-    Problem,
-    ProblemLike,
-    RewardEvaluationResult,
-    as_problem,
-)
+from trio_rollouts.models._evaluation import EvaluationResponse, RewardEvaluationResult
+from trio_rollouts.models._problems import Problem, ProblemLike, as_problem
+from trio_rollouts.models._requests import EvaluationRequest
 
 __all__ = [
     "PassAtKEvaluationAgent",

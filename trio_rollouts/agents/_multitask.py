@@ -28,15 +28,9 @@ import attrs
 from trio_rollouts._checks import check_bool as _check_bool
 from trio_rollouts._concurrency import gather
 from trio_rollouts.agents._base import Agent, EvaluationAgent, GroupedRolloutGenerator
-from trio_rollouts.models._records import (
-    EvaluationRequest,
-    EvaluationResponse,
-    EvaluationResult,
-    GroupedRolloutRequest,
-    Rollout,
-    RolloutGroup,
-    TokenRollout,
-)
+from trio_rollouts.models._evaluation import EvaluationResponse, EvaluationResult
+from trio_rollouts.models._requests import EvaluationRequest, GroupedRolloutRequest
+from trio_rollouts.models._rollouts import Rollout, RolloutGroup, TokenRollout
 
 __all__ = ["MultiTaskEvaluationResponse", "WeightedMultiTask", "WeightedTask"]
 

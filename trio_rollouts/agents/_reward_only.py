@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from trio_rollouts._concurrency import gather_bounded
+from trio_rollouts._messages import GenerationArgs
 from trio_rollouts.agents._base import GroupedRolloutGenerator
 from trio_rollouts.inference import (
     GeneratesGroups,
@@ -33,8 +34,9 @@ from trio_rollouts.inference import (
 )
 from trio_rollouts.inference._interface import require_raw
 from trio_rollouts.inference._sampling import choice_seed
-from trio_rollouts.models._messages import GenerationArgs
-from trio_rollouts.models._records import GroupedRolloutRequest, Problem, Rollout, TokenRollout
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import Rollout, TokenRollout
 from trio_rollouts.pipeline._cuts import cuts_possible, run_members
 from trio_rollouts.pipeline._sampling import request_seed, sampling_span, seeded
 

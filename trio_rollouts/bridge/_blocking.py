@@ -1,32 +1,34 @@
-"""The sync bridge: a grouped pipeline driven from synchronous code (PyTorch-style trainers).
+"""The sync bridge: any :class:`~trio_rollouts.RolloutStream` driven from synchronous code
+(PyTorch-style trainers).
 
-:func:`blocking_grouped_rollouts` runs Trio in a background thread for the duration of a
-``with`` block (a :class:`~trio_rollouts.bridge._thread.TrioThread`). The pipeline lives in
-that thread; every call of the :class:`BlockingRolloutStream` is one round trip into it.
-An exception from the pipeline ends the Trio thread and is raised in the caller's thread
-at its next call, and at the exit of the ``with`` at the latest, as itself: its traceback,
-``__cause__`` and ``__context__`` are the ones it had in the Trio thread, never chained to
-the closed stream through which the news arrived. Leaving the block cancels the pipeline
-and joins the thread.
+A :class:`BlockingRolloutStream` runs Trio in a background thread for the duration of a
+``with`` block (a :class:`~trio_rollouts.bridge._thread.TrioThread`), and enters there the
+async context manager that opens its stream: a grouped pipeline
+(:func:`blocking_grouped_rollouts`), or the Ray merge (``trio_rollouts.ray``, whose
+:class:`~trio_rollouts.ray.BlockingRayRolloutStream` adds only what is Ray's). Every call
+of the bridge is one round trip into that thread, to the stream's own methods; one code
+path serves every stream. An exception from the stream ends the Trio thread and is raised
+in the caller's thread at its next call, and at the exit of the ``with`` at the latest, as
+itself: its traceback, ``__cause__`` and ``__context__`` are the ones it had in the Trio
+thread, never chained to the closed stream through which the news arrived. Leaving the
+block cancels the stream and joins the thread.
 
 ``stream.weight_update(...)`` is the async stream's weight update as a plain ``with``: a
 task of the Trio thread enters the async context manager and holds it open while the
 body runs in the caller's thread (a :class:`~trio_rollouts.bridge._thread.HeldContext`).
 
-The bridge drives any stream with the :class:`BridgedStream` surface that a
-:class:`StreamSource` opens: the local pipeline's (here), or the Ray merge
-(``_ray/_open.py``, through :func:`drive`, :func:`call_in_trio` and
-:func:`current_stream`).
-
-Prompts and kept groups. A prompt is done when the caller gets its group, not when the
-Trio thread takes it from the stream (``GroupSource.settle_on_handover``).
-``take()`` takes groups as they arrive (taking is what frees generation capacity, so a take
-of more groups than the pipeline may hold must take as it goes); when it times out, the
-groups it took are kept and handed out first by the next call. A weight update can make a
-kept group too old for ``max_staleness``; the stream's own check saw it when it was fresh,
-so the bridge has the source check the kept groups again as the update's body returns
-(the only moment the epoch moves): a stale one is given back to its stream and generated
-again in its slot, exactly as the stream regenerates a group it finds too old.
+Prompts and kept groups go through the stream's source
+(:func:`~trio_rollouts.pipeline._stream.source_of`, a
+:class:`~trio_rollouts.pipeline._stream.GroupSource`). A prompt is done when the caller
+gets its group, not when the Trio thread takes it from the stream
+(``GroupSource.settle_on_handover``, then ``GroupSource.handed``). ``take()`` takes groups
+as they arrive (taking is what frees generation capacity, so a take of more groups than
+the stream may hold must take as it goes); when it times out, the groups it took are kept
+and handed out first by the next call. A weight update can make a kept group too old for
+``max_staleness``; the stream's own check saw it when it was fresh, so the bridge checks
+the kept groups again as the update's body returns (the only moment the epoch moves) and
+gives those too old back to the source (``GroupSource.take_back``), which generates them
+again in their slots, exactly as it does with a group it finds too old itself.
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import trio
 
 from trio_rollouts._checks import check_seconds
 from trio_rollouts.agents._base import GroupedRolloutGenerator
 from trio_rollouts.bridge._thread import HeldContext, TrioThread
-from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import RolloutGroup
 from trio_rollouts.pipeline._epochs import WeightUpdate, exceeds_bound
 from trio_rollouts.pipeline._ledger import RolloutStreamStatistics
 from trio_rollouts.pipeline._stream import GroupSource, RolloutStream, source_of
@@ -53,8 +56,6 @@ if TYPE_CHECKING:
 __all__ = [
     "BlockingContext",
     "BlockingRolloutStream",
-    "BridgedStream",
-    "StreamSource",
     "blocking_grouped_rollouts",
     "call_in_trio",
     "current_stream",
@@ -75,86 +76,10 @@ def _deadline_for_waiting(timeout: float | None) -> Iterator[trio.CancelScope]:
         yield scope
 
 
-# --------------------------------------------------------------------------- what the bridge drives
+# --------------------------------------------------------------------------- kept groups
 
 
-class BridgedStream(Protocol):
-    """The surface of a stream that the bridge drives in its Trio thread:
-    :class:`~trio_rollouts.RolloutStream`, or the Ray merge."""
-
-    async def receive(self) -> RolloutGroup: ...
-
-    def try_next(self) -> RolloutGroup | None: ...
-
-    def drain(self, n: int) -> list[RolloutGroup]: ...
-
-    def statistics(self) -> RolloutStreamStatistics: ...
-
-    def metrics(self) -> dict[str, float]: ...
-
-    @property
-    def policy_epoch(self) -> int: ...
-
-    def weight_update(
-        self,
-        mode: WeightUpdateMode = "drain",
-        *,
-        epoch: int | None = None,
-        backends: Sequence[InferenceInterface] | None = None,
-    ) -> contextlib.AbstractAsyncContextManager[WeightUpdate]: ...
-
-
-class StreamSource(Protocol):
-    """Where a bridge's stream comes from, and what the bridge tells it."""
-
-    def open(self) -> contextlib.AbstractAsyncContextManager[BridgedStream]:
-        """The stream, for the life of the bridge's Trio thread; opened so that a group's
-        prompt draws are done when the bridge hands the group to its caller
-        (:meth:`handed`), not when the bridge takes it. Entered in the Trio thread."""
-        ...
-
-    def handed(self, group: RolloutGroup) -> None:
-        """``group`` was returned to the bridge's caller. Caller's thread."""
-        ...
-
-    def kept_after_update(self, kept: list[RolloutGroup], epoch: int) -> list[RolloutGroup]:
-        """A weight update's body returned; its exit moves the epoch to ``epoch``. Give the
-        groups of ``kept`` (taken by the bridge, in order, not returned to its caller yet)
-        that ``epoch`` makes too old back to the stream, and return those the bridge
-        keeps. Trio thread, while the caller's thread waits in the update's exit."""
-        ...
-
-
-class _PipelineSource:
-    """The local pipeline's stream, as :func:`blocking_grouped_rollouts` opens it."""
-
-    def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
-        # Checks run here, in the caller's thread, before a thread is started.
-        self._pipeline = agent.get_grouped_rollouts(request)
-        self._source: GroupSource | None = None
-        self._settles = False
-
-    @contextlib.asynccontextmanager
-    async def open(self) -> AsyncIterator[RolloutStream]:
-        async with self._pipeline as stream:
-            source = source_of(stream)
-            self._settles = source.settle_on_handover()
-            self._source = source
-            yield stream
-
-    def handed(self, group: RolloutGroup) -> None:
-        # Settling is thread-safe.
-        if self._settles and self._source is not None:
-            self._source.handed((group.batch_id, group.index_in_batch))
-
-    def kept_after_update(self, kept: list[RolloutGroup], epoch: int) -> list[RolloutGroup]:
-        source = self._source
-        if source is None or not kept or source.closed:
-            return kept
-        return give_back_stale(source, kept, epoch)
-
-
-def give_back_stale(
+def _give_back_stale(
     source: GroupSource, kept: list[RolloutGroup], epoch: int
 ) -> list[RolloutGroup]:
     """The groups of ``kept`` (taken from ``source``, in order, not handed on yet) that
@@ -219,7 +144,8 @@ class _BlockingWeightUpdate:
 
 
 class BlockingRolloutStream:
-    """The groups of a pipeline running in a background Trio thread.
+    """The groups of a stream running in a background Trio thread: ``agent``'s grouped
+    pipeline for ``request`` (checked at once, in the caller's thread).
 
     Created by :func:`blocking_grouped_rollouts`; use it only inside its ``with`` block,
     from one thread. Iterating blocks per group and ends with the stream. Weight updates:
@@ -227,21 +153,35 @@ class BlockingRolloutStream:
     :attr:`policy_epoch`.
     """
 
-    _source: StreamSource
-    _runner: TrioThread[BridgedStream]
-    _stream: BridgedStream | None
-    _opened: BridgedStream | None
+    _opener: contextlib.AbstractAsyncContextManager[RolloutStream]
+    _runner: TrioThread[RolloutStream]
+    _stream: RolloutStream | None
+    _opened: RolloutStream | None
+    _source: GroupSource | None
+    _settles: bool
     _failure_raised: bool
     _held: collections.deque[RolloutGroup]
 
     def __init__(self, agent: GroupedRolloutGenerator, request: GroupedRolloutRequest) -> None:
-        drive(self, _PipelineSource(agent, request), f"trio_rollouts:{type(agent).__name__}")
+        # Checks run here, in the caller's thread, before a thread is started.
+        drive(self, agent.get_grouped_rollouts(request), f"trio_rollouts:{type(agent).__name__}")
 
     # ---------------------------------------------------------------- the Trio thread
 
+    @contextlib.asynccontextmanager
+    async def _open(self) -> AsyncIterator[RolloutStream]:
+        """The stream, for the life of the Trio thread: its prompt draws are done when
+        the bridge hands a group to its caller (:meth:`_handed`), not when the bridge
+        takes it. Trio thread."""
+        async with self._opener as stream:
+            source = source_of(stream)
+            self._settles = source.settle_on_handover()
+            self._source = source
+            yield stream
+
     def _start(self) -> None:
         try:
-            self._stream = self._opened = self._runner.start(self._source.open())
+            self._stream = self._opened = self._runner.start(self._open())
         except BaseException as exc:
             # The pipeline failed before the block began: the thread has ended.
             self._failure_raised = exc is self._runner.failure
@@ -374,8 +314,11 @@ class BlockingRolloutStream:
 
     def _handed(self, group: RolloutGroup) -> RolloutGroup:
         """``group`` is returned to the caller: its prompt draw is done (see
-        :class:`~trio_rollouts.PromptSource`). Caller's thread."""
-        self._source.handed(group)
+        :class:`~trio_rollouts.PromptSource`). Caller's thread; settling is
+        thread-safe."""
+        source = self._source
+        if self._settles and source is not None:
+            source.handed((group.batch_id, group.index_in_batch))
         return group
 
     def _handed_all(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
@@ -475,11 +418,10 @@ class BlockingRolloutStream:
         backends: Sequence[InferenceInterface] | None,
     ) -> tuple[HeldContext[WeightUpdate], WeightUpdate]:
         stream = self._require_stream()
-        source = self._source
 
         def before_exit(update: WeightUpdate) -> None:
             # Trio thread; the caller's thread waits in the update's exit.
-            self._held = collections.deque(source.kept_after_update(list(self._held), update.epoch))
+            self._held = collections.deque(self._kept_after_update(update.epoch))
 
         held = HeldContext(
             lambda: stream.weight_update(mode, epoch=epoch, backends=backends), before_exit
@@ -517,7 +459,17 @@ class BlockingRolloutStream:
             msg = "the stream closed while the weight update was open; it ended under the old epoch"
         raise RuntimeError(msg)
 
-    def _require_stream(self) -> BridgedStream:
+    def _kept_after_update(self, epoch: int) -> list[RolloutGroup]:
+        """A weight update's body returned, and its exit moves the epoch to ``epoch``: the
+        kept groups it makes too old go back to the source; return those the bridge
+        keeps. Trio thread."""
+        kept = list(self._held)
+        source = self._source
+        if source is None or not kept or source.closed:
+            return kept
+        return _give_back_stale(source, kept, epoch)
+
+    def _require_stream(self) -> RolloutStream:
         self._raise_failure()
         if self._stream is None:
             msg = "use the stream inside its 'with blocking_grouped_rollouts(...)' block"
@@ -525,16 +477,24 @@ class BlockingRolloutStream:
         return self._stream
 
 
-# --------------------------------------------------------------------------- for the Ray twin
+# --------------------------------------------------------------------------- for subclasses
 
 
-def drive(bridge: BlockingRolloutStream, source: StreamSource, thread_name: str) -> None:
+def drive(
+    bridge: BlockingRolloutStream,
+    opener: contextlib.AbstractAsyncContextManager[RolloutStream],
+    thread_name: str,
+) -> None:
     """Set ``bridge`` (a :class:`BlockingRolloutStream` or a subclass, from its
-    ``__init__``) up to drive the stream ``source`` opens, in a Trio thread named
-    ``thread_name``. Caller's thread, before the block begins."""
-    bridge._source = source
+    ``__init__``) up to drive the stream that ``opener`` yields, entered in a Trio thread
+    named ``thread_name`` when the block begins. ``opener`` must make no Trio call before
+    it is entered. Caller's thread, before the block begins."""
+    bridge._opener = opener
     bridge._runner = TrioThread(thread_name)
     bridge._stream = None
+    # The stream's source, once open (settling, take-backs), and whether it settles.
+    bridge._source = None
+    bridge._settles = False
     # The stream once opened, kept after the block (policy_epoch stays readable).
     bridge._opened = None
     bridge._failure_raised = False
@@ -544,13 +504,13 @@ def drive(bridge: BlockingRolloutStream, source: StreamSource, thread_name: str)
 
 def call_in_trio(bridge: BlockingRolloutStream, afn: Callable[[], Awaitable[T]]) -> T:
     """Run ``afn`` in ``bridge``'s Trio thread, as the bridge's own calls do (its
-    pipeline's failure raised once, as itself). Caller's thread."""
+    stream's failure raised once, as itself). Caller's thread."""
     return bridge._call(afn)
 
 
-def current_stream(bridge: BlockingRolloutStream) -> BridgedStream:
+def current_stream(bridge: BlockingRolloutStream) -> RolloutStream:
     """The stream ``bridge`` drives; ``RuntimeError`` outside its block (or its
-    pipeline's failure, once). Caller's thread."""
+    stream's failure, once). Caller's thread."""
     return bridge._require_stream()
 
 

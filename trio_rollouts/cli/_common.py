@@ -26,10 +26,11 @@ import trio
 from rich.console import Console
 from stamina.instrumentation import RetryHook
 
+from trio_rollouts._messages import GenerationArgs
 from trio_rollouts.agents._reward_only import REWARD_FUNCTIONS
 from trio_rollouts.inference import DEFAULT_TIMEOUT, InferenceError, OpenAIInference
 from trio_rollouts.inference._retry import logger as retry_logger
-from trio_rollouts.models._records import GenerationArgs, Problem
+from trio_rollouts.models._problems import Problem
 from trio_rollouts.prompts._file import PromptFileError, load_problems
 
 __all__ = [

@@ -34,7 +34,7 @@ from trio_rollouts.cli.evaluate import (
     metrics_table,
 )
 from trio_rollouts.models._convert import structure, unstructure
-from trio_rollouts.models._records import EvaluationResponse
+from trio_rollouts.models._evaluation import EvaluationResponse
 
 __all__ = ["eval_merge"]
 

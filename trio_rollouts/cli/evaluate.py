@@ -67,7 +67,8 @@ from trio_rollouts.inference import (
     render_plain_chat,
 )
 from trio_rollouts.models._convert import load_jsonl, unstructure
-from trio_rollouts.models._records import EvaluationRequest, Problem
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._requests import EvaluationRequest
 from trio_rollouts.prompts._file import (
     result_problem_id,
     scan_output,

@@ -43,13 +43,9 @@ from trio_rollouts.cli._common import (
 from trio_rollouts.cli._job import OutputFile, check_job, job_path, write_job
 from trio_rollouts.cli._progress import RunProgress, rate_text
 from trio_rollouts.inference import InferenceResponse
-from trio_rollouts.models._records import (
-    GroupedRolloutRequest,
-    Problem,
-    Rollout,
-    RolloutGroup,
-    TokenRollout,
-)
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import Rollout, RolloutGroup, TokenRollout
 from trio_rollouts.prompts._file import scan_output, truncate_torn_line, write_groups
 from trio_rollouts.prompts._source import PromptSource
 

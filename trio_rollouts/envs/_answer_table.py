@@ -13,7 +13,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from trio_rollouts.models._records import ChatMessage, Problem, RolloutGroup, TokenRollout
+from trio_rollouts._messages import ChatMessage
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._rollouts import RolloutGroup, TokenRollout
 
 __all__ = ["AnswerTablePolicy", "FloatArray"]
 

@@ -22,14 +22,9 @@ from trio_rollouts._concurrency import gather_bounded
 from trio_rollouts.agents._base import Agent, ContrastiveRolloutGenerator
 from trio_rollouts.agents._evaluation import RewardFunction, as_problem_source, problem_at, score
 from trio_rollouts.inference import InferenceInterface, InferenceResponse, ReturnsRaw
-from trio_rollouts.models._records import (
-    ContrastiveRollout,
-    Head2HeadRolloutRequest,
-    Problem,
-    ProblemLike,
-    Rollout,
-    RolloutRequest,
-)
+from trio_rollouts.models._problems import Problem, ProblemLike
+from trio_rollouts.models._requests import Head2HeadRolloutRequest, RolloutRequest
+from trio_rollouts.models._rollouts import ContrastiveRollout, Rollout
 
 __all__ = ["BestWorstContrastiveGenerator", "HeadToHeadResult", "HeadToHeadRolloutGenerator"]
 

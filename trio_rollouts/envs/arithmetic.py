@@ -20,13 +20,9 @@ import numpy as np
 from trio_rollouts._checks import int_at_least
 from trio_rollouts.agents._reward_only import RewardOnlyAgent, last_number_reward
 from trio_rollouts.inference import InferenceResponse
-from trio_rollouts.models._records import (
-    GroupedRolloutRequest,
-    Problem,
-    Rollout,
-    RolloutGroup,
-    TokenRollout,
-)
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import Rollout, RolloutGroup, TokenRollout
 
 __all__ = ["OPERATIONS", "ArithmeticEnvironment", "make_problems"]
 

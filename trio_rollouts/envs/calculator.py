@@ -33,10 +33,11 @@ import numpy.typing as npt
 import trio
 
 from trio_rollouts._checks import is_real
+from trio_rollouts._messages import ChatMessage
 from trio_rollouts.agents._environment import BaseEnvironment, EnvironmentStep
 from trio_rollouts.agents._reward_only import last_number_reward
-from trio_rollouts.models._messages import ChatMessage
-from trio_rollouts.models._records import Problem, RolloutGroup, TokenRollout
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._rollouts import RolloutGroup, TokenRollout
 from trio_rollouts.renderers import AssistantTurn, ToolCall
 
 __all__ = [

@@ -35,13 +35,15 @@ from typing import Any, Final, Literal
 import attrs
 import trio
 
-from trio_rollouts._checks import seconds as _seconds
+from trio_rollouts._checks import seconds
 from trio_rollouts._concurrency import flatten_exception_groups, gather
+from trio_rollouts._messages import ChatMessage
 from trio_rollouts.agents._base import GroupedRolloutGenerator
-from trio_rollouts.episodes._agent import check_min_fidelity, check_on_break, check_renderer
+from trio_rollouts.episodes import check_min_fidelity, check_on_break, check_renderer
 from trio_rollouts.gateway._gateway import Gateway, GatewaySession, serve
-from trio_rollouts.models._messages import ChatMessage
-from trio_rollouts.models._records import GroupedRolloutRequest, Problem, TokenRollout
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import TokenRollout
 from trio_rollouts.pipeline._failure import StepTimeoutError
 from trio_rollouts.pipeline._sampling import request_seed
 from trio_rollouts.renderers import Renderer
@@ -262,7 +264,7 @@ class GatewayAgent(GroupedRolloutGenerator):
     on_break: Literal["split", "raise"] = attrs.field(default="split", validator=check_on_break)
     #: Seconds one member's command may run (``None``: no bound); past it the command is
     #: killed and the member fails with :class:`CommandTimeoutError`. Commands only.
-    command_timeout: float | None = attrs.field(default=None, validator=_seconds(positive=True))
+    command_timeout: float | None = attrs.field(default=None, validator=seconds(positive=True))
     #: Extra environment for commands (over ``os.environ``). Commands only.
     env: Mapping[str, str] = attrs.field(factory=dict, validator=_check_env)
     # The command's argument list.

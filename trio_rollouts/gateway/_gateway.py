@@ -23,7 +23,8 @@ import attrs
 import trio
 
 from trio_rollouts._concurrency import flatten_exception_groups
-from trio_rollouts.episodes._agent import (
+from trio_rollouts._messages import ChatMessage, GenerationArgs
+from trio_rollouts.episodes import (
     TemplateBreakError,
     check_min_fidelity,
     check_renderer,
@@ -40,8 +41,8 @@ from trio_rollouts.gateway._session import (
 )
 from trio_rollouts.gateway._sse import chat_completion_chunks
 from trio_rollouts.inference import InferenceError, InferenceInterface
-from trio_rollouts.models._messages import ChatMessage, GenerationArgs
-from trio_rollouts.models._records import Problem, TokenRollout
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._rollouts import TokenRollout
 from trio_rollouts.renderers import Renderer
 
 __all__ = ["Gateway", "GatewaySession", "serve"]
@@ -86,7 +87,9 @@ class GatewaySession:
     - ``calls``: the calls committed; ``breaks``: the breaks counted.
     """
 
-    def __init__(self, gateway: Gateway, session_id: str, problem: Problem | None) -> None:
+    def __init__(
+        self, gateway: Gateway, session_id: str, problem: Problem | None, seed: int | None = None
+    ) -> None:
         self.id = session_id
         self.problem = problem
         self.base_url = f"{gateway.url}/sessions/{session_id}/v1"
@@ -99,6 +102,7 @@ class GatewaySession:
             gateway.on_break,
             gateway.model,
             takes=gateway._takes_messages,
+            seed=seed,
         )
         # Calls run one at a time, in arrival order (trio.Lock is fair).
         self._lock = trio.Lock()
@@ -255,8 +259,7 @@ class Gateway:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             msg = f"seed must be an int or None, got {seed!r:.40}"
             raise TypeError(msg)
-        session = GatewaySession(self, session_id, problem)
-        session._state.seed = seed
+        session = GatewaySession(self, session_id, problem, seed)
         self._live[session_id] = session
         try:
             yield session

@@ -1,9 +1,10 @@
 """One gateway session: the calls of one agent run, made into one token stream.
 
-A session keeps what an episode keeps (:class:`~trio_rollouts.episodes._agent._Element`: ids,
-mask, logprobs, epochs, the sampling record) and the conversation the current element
-holds, as the session saw it: the messages the agent sent and the replies the session
-gave. Each call's message list is matched against that conversation:
+A session keeps what an episode keeps (:class:`~trio_rollouts.episodes.Element`, the
+token-stream element: ids, mask, logprobs, epochs, the sampling record) and the
+conversation the current element holds, as the session saw it: the messages the agent
+sent and the replies the session gave. Each call's message list is matched against that
+conversation:
 
 - it *extends* it when every message the session knows is there unchanged (an assistant
   message matches the reply given at its place when its content, ``None`` equal to ``""``,
@@ -34,17 +35,22 @@ from typing import Any
 
 import attrs
 
-from trio_rollouts._context import call_start_epoch
-from trio_rollouts.episodes._agent import (
+from trio_rollouts._messages import ChatMessage, GenerationArgs
+from trio_rollouts.episodes import (
     RANK,
     Element,
     TemplateBreakError,
     TokenFidelityError,
     backend_fidelity,
+    bridge_ids,
+    call_start_epoch_or,
+    close_ids,
     fidelity_error,
     numbered,
     read_turn,
+    start_element,
     takes_messages,
+    token_rollout,
     turn_record,
     what_lacked,
 )
@@ -55,8 +61,8 @@ from trio_rollouts.inference import (
     Pausable,
 )
 from trio_rollouts.inference._sampling import derive_seed
-from trio_rollouts.models._messages import ChatMessage, GenerationArgs
-from trio_rollouts.models._records import Problem, TokenRollout
+from trio_rollouts.models._problems import Problem
+from trio_rollouts.models._rollouts import TokenRollout
 from trio_rollouts.pipeline._sampling import seeded
 from trio_rollouts.renderers import AssistantTurn, Renderer
 
@@ -281,10 +287,11 @@ class SessionState:
         model: str,
         *,
         takes: bool | None = None,
+        seed: int | None = None,
     ) -> SessionState:
         """A new session's state (``takes``: whether the renderer's bridge takes
-        ``messages=``, when the caller knows already)."""
-        epoch = call_start_epoch.get(None)
+        ``messages=``, when the caller knows already; ``seed``: the session's seed)."""
+        epoch = call_start_epoch_or(None)
         if epoch is None:
             epoch = inference.policy_epoch if isinstance(inference, Pausable) else 0
         promised = backend_fidelity(inference)
@@ -298,6 +305,7 @@ class SessionState:
             fidelity=promised,
             promised=promised,
             takes_messages=takes_messages(renderer) if takes is None else takes,
+            seed=seed,
         )
 
     @property
@@ -327,15 +335,15 @@ class SessionState:
             why = "an assistant message the session did not write"
         if why is None:
             element = self.elements[-1]
-            stops = renderer.stop_token_ids
-            closed = bool(self.last_sampled) and self.last_sampled[-1] in stops
-            close = list(renderer.close_ids) if self.last_open and not closed else []
-            if self.takes_messages:
-                bridge = renderer.bridge(  # type: ignore[call-arg]
-                    element.ids + close, new, tools=tools, messages=known
-                )
-            else:
-                bridge = renderer.bridge(element.ids + close, new, tools=tools)
+            close = close_ids(renderer, self.last_sampled, self.last_open)
+            bridge = bridge_ids(
+                renderer,
+                element.ids + close,
+                new,
+                tools=tools,
+                conversation=known,
+                with_messages=self.takes_messages,
+            )
             if bridge is not None:
                 element.extend(close)
                 element.extend(bridge)
@@ -354,12 +362,8 @@ class SessionState:
                 msg = f"call {self.calls + 1} of the session: {broke}"
                 raise TemplateBreakError(msg)
             self.breaks += 1
-        ids = self.renderer.render(messages, tools=tools)
-        element = Element.scaffold(ids)
-        if self.elements and not any(self.elements[-1].mask):
-            self.elements[-1] = element  # an element with nothing sampled is replaced
-        else:
-            self.elements.append(element)
+        # An element with nothing sampled is replaced.
+        start_element(self.elements, self.renderer.render(messages, tools=tools))
         self.conversation = list(messages)
         self.tools = tools
         self.last_sampled, self.last_open = [], False
@@ -398,6 +402,8 @@ class SessionState:
         return response, sampled, kind, offset
 
     def server_break(self, server_prompt: list[int]) -> None:
+        """The server rendered another prompt than the session's ids: a break (or
+        :class:`TemplateBreakError`); the new element starts from what the model saw."""
         if self.on_break == "raise":
             msg = (
                 f"call {self.calls + 1} of the session: the server rendered a prompt that "
@@ -405,11 +411,7 @@ class SessionState:
             )
             raise TemplateBreakError(msg)
         self.breaks += 1
-        element = Element.scaffold(server_prompt)
-        if any(self.elements[-1].mask):
-            self.elements.append(element)
-        else:
-            self.elements[-1] = element
+        start_element(self.elements, server_prompt)
 
     def reply(
         self, response: InferenceResponse, sampled: list[int], start: int, model: str
@@ -476,24 +478,13 @@ class SessionState:
                 "(did the agent call the gateway's base_url?)"
             )
             raise RuntimeError(msg)
-        for element in elements:
-            if not element.policy_epoch:
-                element.unstamped(self.start_epoch, 0)
-        has_logprobs = all(element.logprobs is not None for element in elements)
-        return TokenRollout(
-            trajectory=[element.ids for element in elements],
+        return token_rollout(
+            elements,
+            start_epoch=self.start_epoch,
             reward=float(reward),
-            generation_mask=[element.mask for element in elements],
-            logprobs=[element.logprobs or [] for element in elements] if has_logprobs else None,
+            fidelity=self.fidelity,
             env_id=env_id,
             problem_id=None if problem is None else problem.problem_id,
-            policy_epoch=[element.policy_epoch for element in elements],
-            kv_cache_epoch=[element.kv_cache_epoch for element in elements]
-            if any(element.kv_cache_epoch for element in elements)
-            else [],
-            num_evictions=[element.evictions for element in elements],
-            fidelity=self.fidelity,
-            sampling=[element.sampling for element in elements],
             extra={
                 "gateway": {
                     "session": session,

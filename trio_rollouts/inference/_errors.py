@@ -7,13 +7,16 @@ backend retries exactly these, and callers that add their own retry layer should
 same tuple. No error ever carries the API key: the backend redacts it from the server's
 message before the error is built.
 
-Where they come from: an HTTP status maps to its class in ``_parse.status_class``, and a
-request that got no response (either transport's exception) in
-``_transport.transport_error``; nothing else maps errors.
+Where they come from: an HTTP status maps to its class in ``openai._parse.status_class``,
+and a request that got no response (either transport's exception) in
+``http._transport.transport_error``; nothing else maps errors. Both pass every message
+through :func:`redact` first, which lives here, with the errors it keeps clean.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "ServerError",
     "TokenMismatchError",
     "UnsupportedFieldError",
+    "redact",
 ]
 
 
@@ -178,3 +182,46 @@ TRANSIENT_ERRORS: tuple[type[InferenceError], ...] = (
     RateLimitError,
     ServerError,
 )
+
+
+# --------------------------------------------------------------------------- redaction
+
+
+#: Where a credential can appear in what a server echoes: an Authorization (or API-key)
+#: header's value, a bearer token, a URL's query parameter or its password.
+_SECRET_PATTERNS = (
+    (
+        re.compile(
+            r"\b((?:proxy-)?authorization|x-api-key|api-key)([\"']?\s*[:=]\s*[\"']?)"
+            r"(?:[A-Za-z]+\s+)?[^\s\"',;}]+",
+            re.IGNORECASE,
+        ),
+        r"\1\2***",
+    ),
+    (re.compile(r"\b(bearer\s+)[^\s\"',;}]+", re.IGNORECASE), r"\1***"),
+    (
+        re.compile(
+            r"([?&;](?:api[_-]?key|key|token|access[_-]?token|auth)=)[^&\s\"'#]+",
+            re.IGNORECASE,
+        ),
+        r"\1***",
+    ),
+    (re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s/]+@", re.IGNORECASE), r"\1***@"),
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _standalone(api_key: str) -> re.Pattern[str]:
+    # The key as a whole token: not part of a longer word, so a short key never turns
+    # "return_token_ids" into "return_to***en_ids".
+    return re.compile(rf"(?<![A-Za-z0-9_-]){re.escape(api_key)}(?![A-Za-z0-9_-])")
+
+
+def redact(text: str, api_key: str | None) -> str:
+    """``text`` without credentials: header values, bearer tokens, URL query keys and
+    passwords, and ``api_key`` wherever it stands as a token of its own."""
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    if api_key:
+        text = _standalone(api_key).sub("***", text)
+    return text

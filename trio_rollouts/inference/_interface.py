@@ -19,8 +19,8 @@ import attrs
 import trio
 
 from trio_rollouts._context import current_call
+from trio_rollouts._messages import ChatMessage, GenerationArgs
 from trio_rollouts.inference._sampling import LogprobsMode
-from trio_rollouts.models._messages import ChatMessage, GenerationArgs
 
 __all__ = [
     "CODE_POINTS",
@@ -239,7 +239,7 @@ class InferenceInterface(abc.ABC):
     """
 
     #: Whether a cancelled :meth:`base_generate` adds the tokens it had generated to the
-    #: member's :class:`~._placement.CallProgress` itself (else a cut member's count is
+    #: member's :class:`~trio_rollouts._context.CallProgress` itself (else a cut member's count is
     #: unknown).
     reports_cancelled_progress: ClassVar[bool] = False
 

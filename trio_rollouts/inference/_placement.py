@@ -31,19 +31,15 @@ from typing import Any, Final, Literal
 import attrs
 
 from trio_rollouts._checks import int_at_least
-from trio_rollouts._context import CallProgress, FieldVar, call_context
+from trio_rollouts._context import call_context
 
 __all__ = [
     "DEFAULT_ROUTING_MARGIN",
     "ROUTINGS",
-    "CallProgress",
     "Placement",
     "Routing",
-    "call_episode",
-    "call_group",
-    "call_progress",
     "check_routing",
-    "current_call",
+    "placement_key",
 ]
 
 #: How calls are spread over replicas (see the module docstring).
@@ -56,16 +52,12 @@ ROUTINGS: Final[tuple[Routing, ...]] = ("group", "least_loaded", "round_robin")
 #: the group's next call goes elsewhere.
 DEFAULT_ROUTING_MARGIN: Final = 2
 
-#: The fields of the call context placement reads (see ``trio_rollouts._context``).
-call_group = FieldVar("group", unset_default=True)
-call_episode = FieldVar("episode", unset_default=True)
-call_progress = FieldVar("progress", unset_default=True)
 
 #: Sticky entries kept (oldest forgotten first): far more groups than are ever in flight.
 _REMEMBERED: Final = 1 << 16
 
 
-def current_call() -> tuple[tuple[int, int, int] | None, int | None]:
+def placement_key() -> tuple[tuple[int, int, int] | None, int | None]:
     """The group and episode of the calling task's call (from its call context), for
     :meth:`Placement.pick`."""
     context = call_context.get()
@@ -90,7 +82,7 @@ def _tie_hash(key: Hashable) -> int:
 class Placement:
     """Picks a replica for each call (see the module docstring).
 
-    One per interface and Trio run: ``index = pick(load, *current_call())`` with each
+    One per interface and Trio run: ``index = pick(load, *placement_key())`` with each
     replica's calls outstanding, and ``release(group, index)`` when that call ends (the
     group's own calls are not held against its replica). Not a checkpoint; not
     thread-safe (one Trio run).
@@ -113,7 +105,7 @@ class Placement:
     ) -> int:
         """The replica for a call of ``group`` (``None``: outside any group) and
         ``episode``, given each replica's ``load`` (calls outstanding). Callers pass
-        :func:`current_call` read in the calling task."""
+        :func:`placement_key` read in the calling task."""
         n = self.replicas
         if n == 1:
             return 0

@@ -11,7 +11,7 @@ so stamina decides everything from there as if it had made it: whether to retry 
 Each retry is logged (:data:`logger`, ``trio_rollouts.inference._retry``, at ``WARNING``)
 when it starts: the URL that failed (as errors show it, without credentials), the error,
 the attempt and the backoff waited, and the pipeline group of the call when it runs in
-one (:data:`~._placement.call_group`, :data:`~._placement.call_episode`). stamina's own
+one (the call context's ``group`` and ``episode``). stamina's own
 ``stamina.retry_scheduled`` line names none of these. These are retries of one request;
 the pipeline's ``rollout/retries`` (``statistics().retries``) counts retries of whole
 groups under a ``FailurePolicy``.
@@ -29,8 +29,8 @@ import stamina
 import trio
 
 from trio_rollouts._checks import non_negative_seconds
+from trio_rollouts._context import current_call
 from trio_rollouts.inference._errors import TRANSIENT_ERRORS, InferenceError
-from trio_rollouts.inference._placement import call_episode, call_group
 
 __all__ = ["RetryBackoff", "call_with_retries", "logger"]
 
@@ -136,8 +136,8 @@ def _log_retry(error: InferenceError, number: int, attempts: int, waited: float)
     backoff of ``waited`` seconds, with the call's pipeline group when there is one."""
     if not logger.isEnabledFor(logging.WARNING):
         return
-    group = call_group.get()
-    episode = call_episode.get()
+    context = current_call()
+    group, episode = context.group, context.episode
     message = str(error)
     url = error.url
     # The URL once: request errors start with it ("POST http://... timed out: ...").

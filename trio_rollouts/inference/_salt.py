@@ -32,7 +32,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from trio_rollouts.inference._placement import current_call
+from trio_rollouts.inference._placement import placement_key
 
 __all__ = [
     "CACHE_SALTS",
@@ -105,7 +105,7 @@ def salt_of(
         return epoch_salt(run_id, salted_epoch), salted_epoch
     if setting == "off":
         return None, None
-    group, episode = current_call()
+    group, episode = placement_key()
     call = CacheSaltCall(
         epoch=salted_epoch,
         start_epoch=start_epoch,

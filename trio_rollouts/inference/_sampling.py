@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from trio_rollouts.models._messages import GenerationArgs
+from trio_rollouts._messages import GenerationArgs
 
 __all__ = [
     "LOGPROBS_MODES",

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from trio_rollouts.models._records import RolloutGroup, TokenRollout
+from trio_rollouts.models._rollouts import RolloutGroup, TokenRollout
 
 __all__ = ["TrainingBatch"]
 

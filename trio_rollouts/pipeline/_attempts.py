@@ -37,7 +37,8 @@ import trio
 
 from trio_rollouts._concurrency import describe_error, real_leaves
 from trio_rollouts._context import CallContext, Draw, call_context
-from trio_rollouts.models._records import Cut, GroupedRolloutRequest, RolloutGroup
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import Cut, RolloutGroup
 from trio_rollouts.pipeline._epochs import Admission, DropReason, Epochs
 from trio_rollouts.pipeline._failure import (
     FailureBudgetExceededError,
@@ -310,10 +311,10 @@ class Attempts:
             CallContext(
                 slot=slot,
                 attempt=number,
-                start_epoch=in_flight.call.start_epoch,
+                start_epoch=in_flight.cuts.start_epoch,
                 group=(self.run_seed, *slot),
                 draws=draws,
-                call=in_flight.call,
+                cuts=in_flight.cuts,
             )
         )
         scope = in_flight.scope
@@ -371,17 +372,17 @@ class Attempts:
         ledger.completed += 1
         # The epoch it counts as started under (an agent that cut every member and
         # started them again moved it on).
-        start_epoch = in_flight.call.start_epoch
+        start_epoch = in_flight.cuts.start_epoch
         if start_epoch != epochs.epoch and epochs.mixed(start_epoch):
             ledger.mixed += 1
         # book_cut let only Cut records in.
-        cuts = cast(tuple[Cut, ...], tuple(in_flight.call.cuts))
+        cuts = cast(tuple[Cut, ...], tuple(in_flight.cuts.cuts))
         return Returned(result, start_epoch, draws, cuts)
 
     def book_cut(self, cut: object) -> None:
         """A member of a call was cut (``_cuts.py``): count it."""
         if not isinstance(cut, Cut):
-            msg = f"GroupCall.book() takes a trio_rollouts.Cut, got {type(cut).__name__}"
+            msg = f"CallCuts.book() takes a trio_rollouts.Cut, got {type(cut).__name__}"
             raise TypeError(msg)
         self.ledger.cut += 1
         if cut.generated_tokens is not None:

@@ -22,9 +22,9 @@ Every member cancelled by either rule is a :class:`Cut`: the ledger counts it (`
 (``RolloutGroup.cuts``), so a trainer can measure the bias towards short answers.
 
 How the pieces meet: each call the pipeline makes has a
-:class:`~trio_rollouts._context.GroupCall` in its call context (``CallContext.call``);
+:class:`~trio_rollouts._context.CallCuts` in its call context (``CallContext.cuts``);
 :func:`run_members` (the agents' member runner) books cuts on it and waits on it for the
-pipeline's cut signal, which ``Pipeline.advance_epoch`` gives (``GroupCall.cut_at``).
+pipeline's cut signal, which ``Pipeline.advance_epoch`` gives (``CallCuts.cut_at``).
 Custom agents keep the group-level rule: nothing here acts unless an agent calls
 :func:`run_members`.
 """
@@ -38,9 +38,9 @@ import attrs
 import trio
 
 from trio_rollouts._concurrency import flatten_exception_groups
-from trio_rollouts._context import CallProgress, GroupCall, calling, current_call
+from trio_rollouts._context import CallCuts, CallProgress, calling, current_call
 from trio_rollouts.inference import Pausable
-from trio_rollouts.models._records import Cut
+from trio_rollouts.models._rollouts import Cut
 
 __all__ = ["cuts_possible", "run_members"]
 
@@ -71,7 +71,7 @@ async def run_members(
     ``member(draw)`` runs one member: ``draw`` is ``0 .. size + extra - 1`` for the first
     members and counts on from there for members generated again after a cut (an agent
     derives its seed and episode number from it). The members not kept are cut
-    (:class:`Cut`, booked on the worker's :class:`GroupCall`). In a pipeline, the members
+    (:class:`Cut`, booked on the worker's :class:`CallCuts`). In a pipeline, the members
     still running at its cut signal (the staleness bound) are cut and started again,
     under the new epoch, in member order.
 
@@ -81,7 +81,7 @@ async def run_members(
     all of them have exited.
     """
     context = current_call()
-    call = context.call
+    call = context.cuts
     total = size + extra
     kept: dict[int, tuple[int, int, T]] = {}  # member -> (draw, epoch, result)
     running: dict[int, _Attempt] = {}
@@ -128,7 +128,7 @@ async def run_members(
             attempt.scope.cancel()
         return positions
 
-    async def watch_for_cuts(group_call: GroupCall) -> None:
+    async def watch_for_cuts(group_call: CallCuts) -> None:
         """Until enough members are kept (``watching``): at each cut signal, cut the
         members running and start them again under the signal's epoch."""
         nonlocal next_draw
@@ -159,6 +159,6 @@ def cuts_possible(max_staleness: int | None, interface: object) -> bool:
     """Whether members of a call may be cut at the bound: there is a bound, the call runs
     in a pipeline, and the backend can hold calls through an update (``keep`` or
     ``abort``), the only updates that leave calls in flight."""
-    if max_staleness is None or current_call().call is None:
+    if max_staleness is None or current_call().cuts is None:
         return False
     return isinstance(interface, Pausable) and bool({"keep", "abort"} & interface.supported_modes)

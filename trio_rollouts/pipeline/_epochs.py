@@ -4,7 +4,7 @@
 One module, because a weight update acts on all of them at once:
 
 - :class:`Epochs` holds the stream's policy epoch and every call in flight (an
-  :class:`InFlight` each: its slot, its :class:`~trio_rollouts._context.GroupCall`, when
+  :class:`InFlight` each: its slot, its :class:`~trio_rollouts._context.CallCuts`, when
   it started, and the cancel scope it runs in). While an update's block is open no call
   starts (:meth:`Epochs.wait_for_gate`; held calls start one at a time, in slot order,
   when it ends, so a seeded backend samples alike on every run). An update may drop calls
@@ -31,7 +31,7 @@ import attrs
 import trio
 
 from trio_rollouts._checks import is_int
-from trio_rollouts._context import GroupCall
+from trio_rollouts._context import CallCuts
 from trio_rollouts.inference import InferenceInterface, OpenAIInference
 from trio_rollouts.inference._pausable import (
     WEIGHT_UPDATE_MODES,
@@ -73,12 +73,12 @@ class DropReason(enum.Enum):
 
 @attrs.define(eq=False)
 class InFlight:
-    """One call in flight: its slot, the call the agent sees, when it started (Trio's
-    clock, time held by an update included), the cancel scope it runs in, and why an
-    update dropped it (``None``: it did not)."""
+    """One call in flight: its slot, its cuts (shared with the agent), when it started
+    (Trio's clock, time held by an update included), the cancel scope it runs in, and why
+    an update dropped it (``None``: it did not)."""
 
     slot: Slot
-    call: GroupCall
+    cuts: CallCuts
     since: float
     scope: trio.CancelScope
     dropped: DropReason | None = None
@@ -137,7 +137,7 @@ class Epochs:
         its own (with ``timeout`` as its deadline)."""
         now = trio.current_time()
         scope = trio.CancelScope(deadline=math.inf if timeout is None else now + timeout)
-        call = InFlight(slot, GroupCall(self.epoch, book_cut), now, scope)
+        call = InFlight(slot, CallCuts(self.epoch, book_cut), now, scope)
         self.in_flight.add(call)
         return call
 
@@ -174,7 +174,7 @@ class Epochs:
         for call in self.in_flight:
             if call.dropped is not None:
                 continue
-            if older_than is not None and call.call.start_epoch >= older_than:
+            if older_than is not None and call.cuts.start_epoch >= older_than:
                 continue
             call.dropped = reason
             call.scope.cancel()

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Sequence
 
 from trio_rollouts._context import Draw
-from trio_rollouts.models._records import Cut, Rollout, RolloutGroup, TokenRollout, checked_group
+from trio_rollouts.models._rollouts import Cut, Rollout, RolloutGroup, TokenRollout, checked_group
 
 __all__ = [
     "FILTER_STD_THRESHOLD",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Sequence
 
-from trio_rollouts.models._records import RolloutGroup
+from trio_rollouts.models._rollouts import RolloutGroup
 
 __all__ = ["BatchOrder"]
 

@@ -33,7 +33,8 @@ import trio
 
 from trio_rollouts._concurrency import flatten_exception_groups
 from trio_rollouts.inference import InferenceInterface, Pausable
-from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import RolloutGroup
 from trio_rollouts.pipeline._attempts import Attempts
 from trio_rollouts.pipeline._epochs import (
     Admission,
@@ -396,9 +397,9 @@ class Pipeline:
         if bound is None:
             return
         for in_flight in epochs.in_flight:
-            call = in_flight.call
-            if call.watchers and call.start_epoch == epoch - bound:
-                call.cut_at(epoch)
+            cuts = in_flight.cuts
+            if cuts.watchers and cuts.start_epoch == epoch - bound:
+                cuts.cut_at(epoch)
         if self._order is not None:
             self._order.evict(epochs.too_old, self._regenerate)
 

@@ -19,6 +19,7 @@ import warnings
 from typing import Protocol, runtime_checkable
 
 from trio_rollouts._context import current_call
+from trio_rollouts._messages import GenerationArgs
 from trio_rollouts.inference._interface import (
     InferenceInterface,
     InferenceResponse,
@@ -26,8 +27,8 @@ from trio_rollouts.inference._interface import (
 )
 from trio_rollouts.inference._pausable import Pausable
 from trio_rollouts.inference._sampling import ReplicaProbe, derive_seed
-from trio_rollouts.models._messages import GenerationArgs
-from trio_rollouts.models._records import GroupedRolloutRequest, SamplingSpan
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import SamplingSpan
 
 __all__ = [
     "SamplingBiasError",

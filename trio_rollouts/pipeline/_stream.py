@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from trio_rollouts.models._records import RolloutGroup
+from trio_rollouts.models._rollouts import RolloutGroup
 from trio_rollouts.pipeline._ledger import RolloutStreamStatistics
 
 if TYPE_CHECKING:

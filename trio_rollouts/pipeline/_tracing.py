@@ -26,9 +26,9 @@ from typing import Any
 
 import trio
 
-from trio_rollouts._context import FieldVar, Sample, calling
+from trio_rollouts._context import Sample, calling
 
-__all__ = ["SampleSpans", "TracingState", "current_sample", "state", "traced"]
+__all__ = ["SampleSpans", "TracingState", "state", "traced"]
 
 
 class TracingState:
@@ -42,10 +42,6 @@ class TracingState:
 
 #: Set by :func:`trio_rollouts.otel.instrument`.
 state = TracingState()
-
-
-#: The current call's :class:`Sample` (the call context's ``span``).
-current_sample = FieldVar("span", unset_default=True)
 
 
 def _mean_reward(result: object) -> float | None:

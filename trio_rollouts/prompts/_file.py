@@ -31,8 +31,9 @@ from typing import IO, Any
 import attrs
 import trio
 
+from trio_rollouts._messages import ChatMessage
 from trio_rollouts.models._convert import ValidationError, dump_jsonl, structure
-from trio_rollouts.models._records import ChatMessage, Problem
+from trio_rollouts.models._problems import Problem
 
 __all__ = [
     "OutputState",

@@ -29,7 +29,7 @@ import numpy as np
 
 from trio_rollouts._checks import is_int
 from trio_rollouts._context import Draw, current_call
-from trio_rollouts.models._records import Problem, ProblemLike, as_problem
+from trio_rollouts.models._problems import Problem, ProblemLike, as_problem
 
 __all__ = ["PromptSource"]
 

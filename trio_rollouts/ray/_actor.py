@@ -29,7 +29,8 @@ from trio_rollouts._checks import check_seconds
 from trio_rollouts.agents._base import GroupedRolloutGenerator
 from trio_rollouts.bridge._thread import ContextGivenUp, HeldContext, TrioThread, TrioThreadStopped
 from trio_rollouts.inference import WeightUpdateMode
-from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import RolloutGroup
 from trio_rollouts.pipeline._epochs import WeightUpdate
 from trio_rollouts.pipeline._ledger import RolloutStreamStatistics
 from trio_rollouts.pipeline._stream import RolloutStream, source_of

@@ -1,6 +1,7 @@
 """Opening a Ray stream: :func:`open_ray_rollouts` (Trio) and :func:`blocking_ray_rollouts`
-(synchronous code, through the sync bridge: :class:`BlockingRayRolloutStream`), with every
-check that can run before an actor starts."""
+(synchronous code, through the sync bridge: :class:`BlockingRayRolloutStream`, which adds
+only what is Ray's to :class:`~trio_rollouts.BlockingRolloutStream`), with every check
+that can run before an actor starts."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from trio_rollouts.bridge._blocking import (
     current_stream,
     drive,
 )
-from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup
+from trio_rollouts.models._requests import GroupedRolloutRequest
 from trio_rollouts.prompts._source import PromptSource
 from trio_rollouts.ray._actor import (
     ACTOR_CONCURRENCY,
@@ -29,15 +30,9 @@ from trio_rollouts.ray._actor import (
     RolloutActorInfo,
     prompts_of,
 )
-from trio_rollouts.ray._merge import (
-    RayRolloutStream,
-    RayRolloutStreamStatistics,
-    new_merged_stream,
-    open_merged,
-    put_back,
-    settle_handed,
-    settle_on_handover,
-)
+from trio_rollouts.ray._actors import Actors
+from trio_rollouts.ray._lanes import RayRolloutStreamStatistics
+from trio_rollouts.ray._stream import RayRolloutStream, open_ray_stream
 
 __all__ = ["BlockingRayRolloutStream", "blocking_ray_rollouts", "open_ray_rollouts"]
 
@@ -138,7 +133,8 @@ def open_ray_rollouts(
     but not taken. ``actor_options`` go to Ray's ``.options()`` (default ``num_cpus=1``).
     Ray is used as it is set up (``ray.init()`` first to choose a cluster). Ordering,
     ``batch_id`` numbering, run-ahead and failures: see docs/scaling.md and the
-    invariants in the docstring of ``trio_rollouts.ray._merge``.
+    invariants in the docstring of ``trio_rollouts.ray._merge``. The stream is a
+    :class:`~trio_rollouts.RolloutStream` over the merge, with Ray's extras.
 
     Prompts, each taken exactly once across restarts (invariant 6 in the docstring of
     ``trio_rollouts.ray._merge``): give each actor a disjoint shard of the run's
@@ -172,17 +168,15 @@ def open_ray_rollouts(
     returns after that, and is shielded from cancellation while it waits. Cancelling
     ``__aenter__`` while the actors start kills the actors started so far.
     """
-    return open_merged(
-        _checked_stream(
-            agent,
-            request,
-            num_actors,
-            prefetch_batches,
-            actor_options,
-            start_timeout,
-            stop_timeout,
-            prompts_state,
-        )
+    return _checked_stream(
+        agent,
+        request,
+        num_actors,
+        prefetch_batches,
+        actor_options,
+        start_timeout,
+        stop_timeout,
+        prompts_state,
     )
 
 
@@ -195,7 +189,10 @@ def _checked_stream(
     start_timeout: float,
     stop_timeout: float,
     prompts_state: dict[str, Any] | None,
-) -> RayRolloutStream:
+) -> contextlib.AbstractAsyncContextManager[RayRolloutStream]:
+    """The Ray stream's ``async with``, not entered yet; arguments checked. Any thread,
+    and no Trio call: the sync bridge builds it in its caller's thread, and an
+    ``open_ray_rollouts(...)`` may be made outside ``trio.run``."""
     _check_sources(agent, request)
     check_natural("num_actors", num_actors, 1)
     check_natural("prefetch_batches", prefetch_batches, 1)
@@ -203,61 +200,48 @@ def _checked_stream(
     check_seconds("stop_timeout", stop_timeout, positive=True, optional=False)
     options = _checked_actor_options(actor_options)
     states = _checked_prompts_states(agent, num_actors, prompts_state)
-    return new_merged_stream(
-        agent, request, num_actors, prefetch_batches, options, start_timeout, stop_timeout, states
+    actors = Actors(
+        agent,
+        request,
+        num_actors=num_actors,
+        actor_options=options,
+        start_timeout=start_timeout,
+        stop_timeout=stop_timeout,
+        prompts_states=states,
     )
+    return open_ray_stream(actors, prefetch_batches)
 
 
 # --------------------------------------------------------------------------- the sync twin
 
 
-class _MergeSource:
-    """The merged stream, as the sync bridge drives it (see
-    :class:`~trio_rollouts.bridge._blocking.StreamSource`)."""
-
-    def __init__(self, stream: RayRolloutStream) -> None:
-        self._stream = stream
-        # The bridge settles what it returns to its caller (handed).
-        settle_on_handover(stream)
-
-    def open(self) -> contextlib.AbstractAsyncContextManager[RayRolloutStream]:
-        return open_merged(self._stream)
-
-    def handed(self, group: RolloutGroup) -> None:
-        settle_handed(self._stream, group)
-
-    def kept_after_update(self, kept: list[RolloutGroup], epoch: int) -> list[RolloutGroup]:
-        # Back into the merge, which checks every group when it is taken (invariant 7).
-        put_back(self._stream, kept)
-        return []
-
-
 class BlockingRayRolloutStream(BlockingRolloutStream):
     """The merged groups of Ray rollout actors, driven from synchronous code; created by
-    :func:`blocking_ray_rollouts`. The surface of
-    :class:`~trio_rollouts.BlockingRolloutStream` (``take``, ``get``, ``try_next``,
-    ``drain``, iteration, ``statistics``, ``metrics``, ``policy_epoch``, and
-    ``weight_update`` as a plain ``with``, which pauses every actor as
-    :meth:`RayRolloutStream.weight_update` does), plus :meth:`fetch_statistics`,
-    :meth:`prompts_state_dict` and the actors. Every call that needs the merge runs in the
-    bridge's Trio thread; the caller's thread makes no Trio call.
+    :func:`blocking_ray_rollouts`. A :class:`~trio_rollouts.BlockingRolloutStream` over a
+    :class:`RayRolloutStream` (``take``, ``get``, ``try_next``, ``drain``, iteration,
+    ``metrics``, ``policy_epoch``, and ``weight_update`` as a plain ``with``, which pauses
+    every actor as :meth:`RayRolloutStream.weight_update` does), plus what is Ray's:
+    :meth:`statistics` as :class:`RayRolloutStreamStatistics`, :meth:`fetch_statistics`,
+    :meth:`prompts_state_dict` and the actors. Every call that needs the stream runs in
+    the bridge's Trio thread; the caller's thread makes no Trio call.
 
     Staleness: as on :class:`RayRolloutStream`, no group is returned too old for
-    ``max_staleness``, groups that a timed-out ``take()`` kept included (they go back to
-    the merge when a weight update's body returns, and are checked when taken again).
+    ``max_staleness``, groups that a timed-out ``take()`` kept included (those a weight
+    update makes too old go back to the merge when its body returns, and are generated
+    again in their actors).
     """
 
-    def __init__(self, stream: RayRolloutStream) -> None:
-        drive(self, _MergeSource(stream), "trio_rollouts:ray")
+    def __init__(self, stream: contextlib.AbstractAsyncContextManager[RayRolloutStream]) -> None:
+        drive(self, stream, "trio_rollouts:ray")
 
-    def _merged(self) -> RayRolloutStream:
+    def _ray_stream(self) -> RayRolloutStream:
         return cast(RayRolloutStream, current_stream(self))
 
     def prompts_state_dict(self) -> dict[str, Any]:
         """The state of the run's prompts (see :meth:`RayRolloutStream.prompts_state_dict`):
         every group returned to the caller so far is done in it; groups kept by a
         timed-out ``take()`` are not, nor groups not returned yet."""
-        return call_in_trio(self, self._merged().prompts_state_dict)
+        return call_in_trio(self, self._ray_stream().prompts_state_dict)
 
     def statistics(self) -> RayRolloutStreamStatistics:
         """The actors' counters as of their latest replies (see
@@ -269,7 +253,7 @@ class BlockingRayRolloutStream(BlockingRolloutStream):
         :meth:`RayRolloutStream.fetch_statistics`); actors that have not answered within
         ``timeout`` seconds keep their previous counters."""
         check_seconds("timeout", timeout)
-        stream = self._merged()
+        stream = self._ray_stream()
 
         async def fetch() -> RayRolloutStreamStatistics:
             with trio.move_on_after(math.inf if timeout is None else timeout):
@@ -281,12 +265,12 @@ class BlockingRayRolloutStream(BlockingRolloutStream):
     @property
     def actors(self) -> tuple[Any, ...]:
         """The Ray actor handles, by actor index."""
-        return self._merged().actors
+        return self._ray_stream().actors
 
     @property
     def actor_info(self) -> tuple[RolloutActorInfo | None, ...]:
         """Where each actor runs."""
-        return self._merged().actor_info
+        return self._ray_stream().actor_info
 
 
 def blocking_ray_rollouts(

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from trio_rollouts.models._messages import CHAT_ROLES, ChatMessage
+from trio_rollouts._messages import CHAT_ROLES, ChatMessage
 
 __all__ = [
     "AssistantTurn",

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from trio_rollouts.models._messages import ChatMessage
+from trio_rollouts._messages import ChatMessage
 from trio_rollouts.renderers._base import (
     AssistantTurn,
     assemble_turn,

@@ -9,8 +9,8 @@ from typing import Any
 
 import attrs
 
+from trio_rollouts._messages import ChatMessage
 from trio_rollouts.inference._interface import CODE_POINTS
-from trio_rollouts.models._messages import ChatMessage
 from trio_rollouts.renderers import hermes
 from trio_rollouts.renderers._base import (
     AssistantTurn,

@@ -11,7 +11,8 @@ import numpy as np
 import trio
 
 from trio_rollouts.envs.arithmetic import ArithmeticEnvironment
-from trio_rollouts.models._records import GroupedRolloutRequest, Rollout, RolloutGroup, TokenRollout
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import Rollout, RolloutGroup, TokenRollout
 
 __all__ = ["DemoEnvironment", "dispatch_delayed"]
 

@@ -24,7 +24,7 @@ from trio_rollouts.cli._demo._environment import DemoEnvironment
 from trio_rollouts.cli._demo._trainer import StepMetrics, Trainer
 from trio_rollouts.envs import AnswerTablePolicy
 from trio_rollouts.inference import EmbeddedInference
-from trio_rollouts.models._records import GroupedRolloutRequest
+from trio_rollouts.models._requests import GroupedRolloutRequest
 from trio_rollouts.pipeline._stream import RolloutStream
 from trio_rollouts.prompts._source import PromptSource
 

@@ -35,9 +35,10 @@ from trio_rollouts.cli._demo._environment import dispatch_delayed
 from trio_rollouts.cli._demo._run import stream_counters
 from trio_rollouts.cli._demo._trainer import StepMetrics, Trainer
 from trio_rollouts.envs import CalculatorEnvironment, ToolUsePolicy, make_problems
-from trio_rollouts.episodes._agent import MultiTurnAgent
+from trio_rollouts.episodes import MultiTurnAgent
 from trio_rollouts.inference import EmbeddedInference, LatencyModel, WeightUpdateMode
-from trio_rollouts.models._records import GroupedRolloutRequest, RolloutGroup, TokenRollout
+from trio_rollouts.models._requests import GroupedRolloutRequest
+from trio_rollouts.models._rollouts import RolloutGroup, TokenRollout
 from trio_rollouts.prompts._source import PromptSource
 from trio_rollouts.renderers import PlainRenderer
 

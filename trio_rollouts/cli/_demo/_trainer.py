@@ -16,7 +16,7 @@ import numpy as np
 import trio
 
 from trio_rollouts.inference import WeightUpdateMode
-from trio_rollouts.models._records import RolloutGroup
+from trio_rollouts.models._rollouts import RolloutGroup
 from trio_rollouts.pipeline._stream import RolloutStream
 from trio_rollouts.prompts._file import write_groups
 

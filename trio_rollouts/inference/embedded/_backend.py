@@ -8,25 +8,29 @@ samples one (respecting temperature, top-k, top-p and max_tokens) with a numpy
 ``autojump_clock``) makes it instant and deterministic. Tokens are characters (token id =
 Unicode code point), so token ids decode back to ``raw_text``. Like Megatron's engine it
 stamps ``policy_epoch``: :meth:`EmbeddedInference.set_generation_epoch` takes effect at
-the next token step of every request in flight. It is :class:`~._pausable.Pausable` in
-all four weight-update modes (see :meth:`EmbeddedInference.pause`).
+the next token step of every request in flight. It is
+:class:`~trio_rollouts.inference.Pausable` in all four weight-update modes (see
+:meth:`EmbeddedInference.pause`).
+
+This module holds the backend itself: sampling a request, generating it on the latency
+model or on the engine model's cluster, and pausing. The policies and the latency model
+are in ``_policy``, the pause state of a Trio run in ``_pause``, the engine model in
+``_engine``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import sys
-from collections.abc import Callable, Sequence
-from typing import ClassVar, Final, Literal, TypeAlias
+from collections.abc import Callable
+from typing import ClassVar, Final
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 import trio
 
-from trio_rollouts._checks import check_natural, int_at_least, non_negative
-from trio_rollouts._context import call_start_epoch, current_sample
+from trio_rollouts._checks import check_natural, int_at_least
+from trio_rollouts._context import current_call
+from trio_rollouts._messages import ChatMessage, GenerationArgs
 from trio_rollouts.inference._interface import (
     CODE_POINTS,
     AcceptsTokens,
@@ -43,9 +47,8 @@ from trio_rollouts.inference._placement import (
     DEFAULT_ROUTING_MARGIN,
     Placement,
     Routing,
-    call_progress,
     check_routing,
-    current_call,
+    placement_key,
 )
 from trio_rollouts.inference._salt import CacheSalt, check_cache_salt, new_run_id, salt_of
 from trio_rollouts.inference._sampling import choice_seed, sample_index
@@ -59,85 +62,19 @@ from trio_rollouts.inference.embedded._engine import (
     Replica,
     admission_order,
     settle,
+    stamp,
 )
-from trio_rollouts.models._messages import ChatMessage, GenerationArgs
+from trio_rollouts.inference.embedded._pause import ALL_MODES, HOLDING_MODES, Pause, RunState
+from trio_rollouts.inference.embedded._policy import (
+    HashedPromptPolicy,
+    LatencyModel,
+    Policy,
+    decode_code_points,
+    distribution,
+    prompt_digest,
+)
 
-__all__ = [
-    "EmbeddedInference",
-    "EngineModel",
-    "EngineStatistics",
-    "HashedPromptPolicy",
-    "LatencyModel",
-    "Policy",
-]
-
-#: A policy: from the prompt's messages to candidate completions and their
-#: probabilities (non-negative weights, normalized by the backend).
-Policy: TypeAlias = Callable[[list[ChatMessage]], tuple[Sequence[str], npt.ArrayLike]]
-
-
-@attrs.frozen(kw_only=True)
-class LatencyModel:
-    """How long a simulated generation takes.
-
-    A request waits ``first_token * s`` seconds (queueing and prefill), then
-    ``per_token * s`` per generated token, where ``s`` is a per-request speed factor
-    with mean 1 drawn from ``distribution``: ``"constant"`` (always 1),
-    ``"exponential"``, or ``"lognormal"`` (shape ``sigma``).
-    """
-
-    first_token: float = attrs.field(default=0.05, validator=non_negative)
-    per_token: float = attrs.field(default=0.002, validator=non_negative)
-    distribution: Literal["constant", "exponential", "lognormal"] = attrs.field(
-        default="lognormal",
-        validator=attrs.validators.in_(("constant", "exponential", "lognormal")),
-    )
-    sigma: float = attrs.field(default=0.5, validator=non_negative)
-
-    def speed_factor(self, rng: np.random.Generator) -> float:
-        """Draw a request's speed factor (mean 1)."""
-        if self.distribution == "exponential":
-            return float(rng.exponential(1.0))
-        if self.distribution == "lognormal":
-            # mean exp(mu + sigma**2 / 2) is 1 for this mu.
-            return float(rng.lognormal(-(self.sigma**2) / 2, self.sigma))
-        return 1.0
-
-
-def _prompt_digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode("utf-8")).digest()
-
-
-@attrs.frozen(kw_only=True)
-class HashedPromptPolicy:
-    """The default policy: the same few ``completions`` for every prompt, with
-    probabilities drawn once per prompt from a Dirichlet(``concentration``) seeded by a
-    hash of the prompt's plain rendering. Deterministic, and it never learns."""
-
-    completions: tuple[str, ...] = (
-        "The answer is A.",
-        "The answer is B.",
-        "The answer is C.",
-        "I am not sure.",
-    )
-    concentration: float = 1.0
-
-    def __call__(self, prompt: list[ChatMessage]) -> tuple[Sequence[str], npt.ArrayLike]:
-        digest = _prompt_digest(render_plain_chat(prompt))
-        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
-        return self.completions, rng.dirichlet([self.concentration] * len(self.completions))
-
-
-def _decode_code_points(ids: list[int]) -> str:
-    """The text of token ids that are code points (the embedded backend's tokens)."""
-    for i, token in enumerate(ids):
-        if token > sys.maxunicode:
-            msg = (
-                f"prompt_ids[{i}] = {token} is not a token of EmbeddedInference: its tokens "
-                f"are Unicode code points, 0 to {sys.maxunicode}"
-            )
-            raise ValueError(msg)
-    return "".join(map(chr, ids))
+__all__ = ["EmbeddedInference"]
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -226,7 +163,7 @@ class EmbeddedInference(
     _requests_per_prompt: dict[bytes, int] = attrs.field(init=False, factory=dict, repr=False)
     # The pause state is per Trio run: Trio objects belong to one run, and the sync
     # generate() runs its own. Each interface has its own RunVar (a key into the run).
-    _run_states: trio.lowlevel.RunVar[_RunState | None] = attrs.field(
+    _run_states: trio.lowlevel.RunVar[RunState | None] = attrs.field(
         init=False,
         repr=False,
         factory=lambda: trio.lowlevel.RunVar("EmbeddedInference pause state", None),
@@ -242,7 +179,7 @@ class EmbeddedInference(
     @property
     def supported_modes(self) -> frozenset[WeightUpdateMode]:
         """All four: ``drain``, ``restart``, ``keep`` and ``abort``."""
-        return _ALL_MODES
+        return ALL_MODES
 
     @property
     def policy_epoch(self) -> int:
@@ -295,7 +232,7 @@ class EmbeddedInference(
         and what it held goes on under the current epoch as if it had not been called
         (a following ``resume`` then only sets the epoch).
         """
-        if not isinstance(mode, str) or mode not in _ALL_MODES:
+        if not isinstance(mode, str) or mode not in ALL_MODES:
             allowed = ", ".join(repr(m) for m in WEIGHT_UPDATE_MODES)
             msg = f"unknown weight-update mode {mode!r}: EmbeddedInference supports {allowed}"
             raise TypeError(msg)
@@ -307,9 +244,9 @@ class EmbeddedInference(
             )
             raise RuntimeError(msg)
         await trio.lowlevel.checkpoint_if_cancelled()
-        pause = _Pause(mode)
+        pause = Pause(mode)
         state.pause = pause
-        if mode in _HOLDING_MODES:
+        if mode in HOLDING_MODES:
             state.prefilling.unpark_all()
         try:
             waited = False
@@ -470,7 +407,7 @@ class EmbeddedInference(
         messages = request.prompt
         if request.prompt_ids is None:
             return render_plain_chat(messages), messages
-        prompt_text = _decode_code_points(request.prompt_ids)
+        prompt_text = decode_code_points(request.prompt_ids)
         if not messages:
             messages = [ChatMessage(role="user", content=prompt_text)]
         return prompt_text, messages
@@ -483,7 +420,7 @@ class EmbeddedInference(
     ) -> tuple[str, str, float]:
         """``(completion, generated, probability)``: the completion drawn, the part of
         it generated (``max_tokens``), and its probability as sampled."""
-        completions, probs = self._distribution(messages)
+        completions, probs = distribution(self.policy, messages)
         index, probability = sample_index(probs, args, rng)
         completion = completions[index]
         max_tokens = args.max_tokens
@@ -536,7 +473,7 @@ class EmbeddedInference(
             policy_epoch = [(0, self._generation_epoch)]
             kv_cache_epoch = list(policy_epoch)
             await state.prefill(first_token)
-            sample = current_sample.get()
+            sample = current_call().span
             if sample is not None:
                 sample.first_event("first_token")
             recomputed = False
@@ -549,13 +486,13 @@ class EmbeddedInference(
                         recomputed = True
                     continue
                 epoch = self._generation_epoch
-                _stamp(policy_epoch, k, epoch)
+                stamp(policy_epoch, k, epoch)
                 if recomputed or k == 0:
                     # The prompt's cache is computed by the first token (held with it
                     # by a pause), and all of it again for an abort's continuation:
                     # from token k on, the tokens attend to KV of these weights. (After
                     # a keep pause they attend to the cache computed before it.)
-                    _stamp(kv_cache_epoch, k, epoch)
+                    stamp(kv_cache_epoch, k, epoch)
                     recomputed = False
                 state.decoding += 1
                 try:
@@ -565,7 +502,7 @@ class EmbeddedInference(
                     state.wake_pause()
                 k += 1
         except BaseException:
-            progress = call_progress.get()
+            progress = current_call().progress
             if progress is not None:
                 progress.generated_tokens += k  # a cut member's work
             raise
@@ -604,10 +541,11 @@ class EmbeddedInference(
             )
             raise ValueError(msg)
         cluster = self._cluster(state, engine)
-        group, episode = current_call()
+        group, episode = placement_key()
         cluster.arrived += 1
         order = admission_order(group, episode, cluster.arrived)
-        priority = call_start_epoch.get(self._generation_epoch)
+        start_epoch = current_call().start_epoch
+        priority = self._generation_epoch if start_epoch is None else start_epoch
         salt = self._engine_salt(priority)
         sequences = [
             EngineRequest(
@@ -629,7 +567,7 @@ class EmbeddedInference(
             for sequence in sequences:
                 await sequence.done.wait()
         except BaseException:
-            progress = call_progress.get()
+            progress = current_call().progress
             if progress is not None:
                 # A cut member's work (read before the replica lets the call go).
                 progress.generated_tokens += sum(sequence.generated for sequence in sequences)
@@ -672,7 +610,7 @@ class EmbeddedInference(
 
         return salt
 
-    def _cluster(self, state: _RunState, engine: EngineModel) -> Cluster:
+    def _cluster(self, state: RunState, engine: EngineModel) -> Cluster:
         cluster = state.cluster
         if cluster is None:
             placement = Placement(
@@ -687,14 +625,14 @@ class EmbeddedInference(
             )
         return cluster
 
-    async def _run_cluster(self, state: _RunState, cluster: Cluster) -> None:
+    async def _run_cluster(self, state: RunState, cluster: Cluster) -> None:
         """System task: runs the replicas' steps for this Trio run (until it ends)."""
         try:
             await self._cluster_loop(state, cluster)
         except Exception as error:  # an error here would crash the whole run
             cluster.fail(error)
 
-    async def _cluster_loop(self, state: _RunState, cluster: Cluster) -> None:
+    async def _cluster_loop(self, state: RunState, cluster: Cluster) -> None:
         replicas = cluster.replicas
         while True:
             holding = state.holds_in_flight()
@@ -729,34 +667,15 @@ class EmbeddedInference(
                 if replica.step_end is None and replica.has_work and replica.start_step(now, epoch):
                     state.decoding += 1
 
-    def _run_state(self) -> _RunState:
+    def _run_state(self) -> RunState:
         state = self._run_states.get()
         if state is None:
-            state = _RunState()
+            state = RunState()
             self._run_states.set(state)
         return state
 
-    def _distribution(self, prompt: list[ChatMessage]) -> tuple[list[str], npt.NDArray[np.float64]]:
-        completions, weights = self.policy(prompt)
-        completions = list(completions)
-        if not completions or not all(isinstance(c, str) for c in completions):
-            msg = f"the policy must return a non-empty sequence of str, got {completions!r:.80}"
-            raise ValueError(msg)
-        probs = np.asarray(weights, dtype=np.float64)
-        if probs.shape != (len(completions),):
-            msg = (
-                f"the policy returned {len(completions)} completions but probabilities of "
-                f"shape {probs.shape}; give one probability per completion"
-            )
-            raise ValueError(msg)
-        total = float(probs.sum())
-        if not np.all(np.isfinite(probs)) or np.any(probs < 0) or not total > 0:
-            msg = f"the policy's probabilities must be finite, >= 0, with a positive sum: {probs}"
-            raise ValueError(msg)
-        return completions, probs / total
-
     def _request_rng(self, prompt_text: str, seed: int | None) -> np.random.Generator:
-        digest = _prompt_digest(prompt_text)
+        digest = prompt_digest(prompt_text)
         words = [int.from_bytes(digest[i : i + 8], "little") for i in (0, 8)]
         if seed is not None:
             # A request's own seed fixes its sample, whatever came before (as vLLM's
@@ -765,91 +684,6 @@ class EmbeddedInference(
         occurrence = self._requests_per_prompt.get(digest, 0)
         self._requests_per_prompt[digest] = occurrence + 1
         return np.random.default_rng([self.seed, *words, occurrence])
-
-
-_ALL_MODES: Final[frozenset[WeightUpdateMode]] = frozenset(WEIGHT_UPDATE_MODES)
-#: The modes that hold requests in flight (the others only hold new requests).
-_HOLDING_MODES: Final[frozenset[WeightUpdateMode]] = frozenset({"keep", "abort"})
-
-
-@attrs.define(eq=False)
-class _Pause:
-    mode: WeightUpdateMode
-    #: Ended by a cancelled pause(), not by resume(): nothing it held was aborted.
-    undone: bool = False
-
-
-@attrs.define(eq=False)
-class _RunState:
-    """The pause state of one interface in one Trio run."""
-
-    pause: _Pause | None = None
-    #: Requests admitted and not finished (a drain or restart pause waits for none).
-    admitted: int = 0
-    #: Requests inside a token step (a keep or abort pause waits for none).
-    decoding: int = 0
-    #: Requests held by the pause, until resume().
-    held: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
-    #: Requests in their first-token wait (a keep or abort pause cuts it).
-    prefilling: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
-    #: The pause() waiting for ``busy`` to reach 0.
-    quiet: trio.lowlevel.ParkingLot = attrs.field(factory=trio.lowlevel.ParkingLot)
-    #: The engine model's replicas in this run (``engine`` only; made at first use).
-    cluster: Cluster | None = None
-
-    def busy(self, mode: WeightUpdateMode) -> int:
-        return self.decoding if mode in _HOLDING_MODES else self.admitted
-
-    def holds_in_flight(self) -> bool:
-        return self.pause is not None and self.pause.mode in _HOLDING_MODES
-
-    def wake_pause(self) -> None:
-        if self.pause is not None:
-            self.quiet.unpark_all()
-
-    def release(self, *, undone: bool) -> None:
-        """End the pause (synchronously: no checkpoint)."""
-        if self.pause is not None:
-            self.pause.undone = undone
-            self.pause = None
-        self.held.unpark_all()
-        self.quiet.unpark_all()
-
-    async def hold(self, *, admission: bool) -> bool:
-        """Wait while a pause holds this request (any pause at admission; keep or abort
-        in flight). Returns whether an abort that was resumed stopped it."""
-        aborted = False
-        while (pause := self.pause) is not None and (admission or pause.mode in _HOLDING_MODES):
-            await self.held.park()
-            aborted = aborted or (pause.mode == "abort" and not pause.undone)
-        return aborted
-
-    async def prefill(self, seconds: float) -> None:
-        """The first-token wait: ``seconds`` of queueing and prefill. A keep or abort
-        pause cuts it; after keep the rest is waited, after abort all of it again."""
-        deadline = trio.current_time() + seconds
-        while True:
-            with trio.move_on_at(deadline):
-                await self.prefilling.park()
-            if not self.holds_in_flight():
-                if trio.current_time() >= deadline:
-                    return
-                continue  # woken by a pause that was undone before this task ran
-            remaining = max(0.0, deadline - trio.current_time())
-            if await self.hold(admission=False):
-                remaining = seconds
-            deadline = trio.current_time() + remaining
-
-
-def _stamp(policy_epoch: list[tuple[int, int]], k: int, epoch: int) -> None:
-    """Record that token ``k`` onwards is generated under ``epoch``."""
-    start, current = policy_epoch[-1]
-    if epoch == current:
-        return
-    if start == k:
-        policy_epoch[-1] = (k, epoch)
-    else:
-        policy_epoch.append((k, epoch))
 
 
 #: Marks a request's own seed in the entropy of its random stream (an unseeded

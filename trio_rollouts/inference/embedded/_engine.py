@@ -229,8 +229,10 @@ class EngineRequest:
         return self.prompt_length + self.generated
 
 
-def _stamp(epochs: list[tuple[int, int]], k: int, epoch: int) -> None:
-    """Record that token ``k`` onwards is generated under ``epoch``."""
+def stamp(epochs: list[tuple[int, int]], k: int, epoch: int) -> None:
+    """Record in ``epochs`` (sparse ``(start, epoch)`` boundaries) that token ``k``
+    onwards is generated under ``epoch``: an empty last segment is replaced, so starts
+    strictly increase."""
     if not epochs:
         epochs.append((k, epoch))
         return
@@ -525,9 +527,9 @@ class Replica:
                 continue  # a prefill chunk
             if seq.generated < seq.target:
                 k = seq.generated
-                _stamp(seq.policy_epoch, k, epoch)
+                stamp(seq.policy_epoch, k, epoch)
                 # The token attends to all the KV the request holds: the oldest counts.
-                _stamp(seq.kv_cache_epoch, k, min(e for _, e in seq.kv_epochs))
+                stamp(seq.kv_cache_epoch, k, min(e for _, e in seq.kv_epochs))
                 seq.recomputed = False
                 seq.generated += 1
                 self.counters.generation_tokens += 1

@@ -1,9 +1,10 @@
-"""The transport: how :class:`OpenAIInference` POSTs a JSON body and gets a whole response.
+"""The transport: how an HTTP backend POSTs a JSON body and gets a whole response.
 
-One protocol, :class:`Transport`, and two implementations: :class:`LeanTransport` on the
-lean Trio-native HTTP/1.1 pool (``_lean_http``, the default), and :class:`HTTPXTransport`
-on httpx2 (used where a proxy is configured; it honours proxies). The client never asks
-which one it has. Both
+One protocol, :class:`Transport` (returning a :class:`Response`), and two implementations:
+:class:`LeanTransport` on the lean Trio-native HTTP/1.1 pool (:mod:`._pool`, the default),
+and :class:`HTTPXTransport` on httpx2 (used where a proxy is configured; it honours
+proxies). The client never asks which one it has. Nothing here knows what is posted (the
+OpenAI client's bodies and replies are ``inference.openai``'s). Both
 
 - take the library's :class:`Timeout` and :class:`Limits` and convert them;
 - build the body when the request is about to be written, once it holds a connection
@@ -17,7 +18,7 @@ which one it has. Both
 - release a cancelled request's connection slot before ``trio.Cancelled`` propagates.
 
 A transport belongs to one Trio run (the client makes one per run and closes it at the
-run's end).
+run's end, or the caller's ``async with`` does).
 """
 
 from __future__ import annotations
@@ -41,21 +42,23 @@ from trio_rollouts.inference._errors import (
     InferenceConnectionError,
     InferenceError,
     InferenceTimeoutError,
+    redact,
 )
-from trio_rollouts.inference.http._pool import (
+from trio_rollouts.inference.http._lookup import NameLookups
+from trio_rollouts.inference.http._pool import ConnectionPool
+from trio_rollouts.inference.http._wire import (
     ConnectError,
-    ConnectionPool,
     LeanHTTPError,
     LeanTimeout,
-    NameLookups,
     NetworkError,
     RemoteProtocolError,
 )
-from trio_rollouts.inference.openai._parse import Response, redact
 
 __all__ = [
     "HTTPXTransport",
+    "Headers",
     "LeanTransport",
+    "Response",
     "Transport",
     "TransportKind",
     "encode_json",
@@ -64,7 +67,7 @@ __all__ = [
     "transport_error",
 ]
 
-#: The transports :class:`OpenAIInference` can use (``"auto"`` picks one).
+#: The transports there are (``OpenAIInference(transport="auto")`` picks one).
 TransportKind = Literal["lean", "httpx2"]
 
 _JSON: Final = "application/json"
@@ -76,6 +79,25 @@ _ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 def encode_json(body: dict[str, Any]) -> bytes:
     """A request body as compact UTF-8 JSON."""
     return _ENCODER.encode(body).encode()
+
+
+class Headers(Protocol):
+    def get(self, key: str, /) -> str | None: ...
+
+
+class Response(Protocol):
+    """What is read of a response: an ``httpx2.Response`` or the lean pool's
+    :class:`~._wire.LeanResponse`, as the transports return them."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def reason_phrase(self) -> str: ...
+    @property
+    def headers(self) -> Headers: ...
+    @property
+    def text(self) -> str: ...
+    def json(self) -> Any: ...
 
 
 class Transport(Protocol):
@@ -112,7 +134,7 @@ def open_transport(
 
 
 class LeanTransport:
-    """The lean HTTP/1.1 pool (``_lean_http``): the hot path."""
+    """The lean HTTP/1.1 pool (:class:`~._pool.ConnectionPool`): the hot path."""
 
     def __init__(self, *, timeout: Timeout, limits: Limits, api_key: str | None) -> None:
         expiry = limits.keepalive_expiry

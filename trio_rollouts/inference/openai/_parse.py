@@ -4,20 +4,21 @@ log-probabilities, Megatron's epoch stamps) as an :class:`InferenceResponse`, or
 choice of a request for ``n`` (:func:`parse_choices`, usage split by :func:`choice_usage`).
 
 Everything here is a function of a response (either transport's, through the
-:class:`Response` protocol) and of what was sent; nothing sends. Every message passes
-through :func:`redact` before it goes into an error, so no error carries a credential.
+:class:`~trio_rollouts.inference.http._transport.Response` protocol) and of what was sent;
+nothing sends. Every message passes through :func:`~trio_rollouts.inference._errors.redact`
+before it goes into an error, so no error carries a credential.
 """
 
 from __future__ import annotations
 
 import email.utils
-import functools
 import html
 import math
 import re
 import time
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
+from trio_rollouts._messages import ChatMessage
 from trio_rollouts.inference._errors import (
     AuthenticationError,
     BadRequestError,
@@ -28,24 +29,22 @@ from trio_rollouts.inference._errors import (
     NotSupportedError,
     RateLimitError,
     ServerError,
+    redact,
 )
 from trio_rollouts.inference._interface import (
     InferenceRequest,
     InferenceResponse,
     render_plain_chat,
 )
-from trio_rollouts.models._messages import ChatMessage
+from trio_rollouts.inference.http._transport import Headers, Response
 
 __all__ = [
     "MAX_SERVER_MESSAGE",
-    "Headers",
-    "Response",
     "choice_usage",
     "error_for_status",
     "parse_choices",
     "parse_completion",
     "read_json",
-    "redact",
     "retry_after",
     "server_message",
     "status_class",
@@ -57,24 +56,6 @@ MAX_SERVER_MESSAGE = 500
 #: Keys of a returned chat message kept in ``ChatMessage.extra`` (others, such as the
 #: token-id copies Megatron's server puts in the message, are dropped).
 _MESSAGE_EXTRA_KEYS = ("tool_calls", "function_call", "refusal", "reasoning", "reasoning_content")
-
-
-class Headers(Protocol):
-    def get(self, key: str, /) -> str | None: ...
-
-
-class Response(Protocol):
-    """What is read of a response, from httpx2 or from the lean pool."""
-
-    @property
-    def status_code(self) -> int: ...
-    @property
-    def reason_phrase(self) -> str: ...
-    @property
-    def headers(self) -> Headers: ...
-    @property
-    def text(self) -> str: ...
-    def json(self) -> Any: ...
 
 
 # --------------------------------------------------------------------------- errors
@@ -187,46 +168,6 @@ def html_summary(text: str) -> str:
     if not title:
         return "an HTML page (no title)"
     return f"an HTML page titled {title[:80]!r}"
-
-
-#: Where a credential can appear in what a server echoes: an Authorization (or API-key)
-#: header's value, a bearer token, a URL's query parameter or its password.
-_SECRET_PATTERNS = (
-    (
-        re.compile(
-            r"\b((?:proxy-)?authorization|x-api-key|api-key)([\"']?\s*[:=]\s*[\"']?)"
-            r"(?:[A-Za-z]+\s+)?[^\s\"',;}]+",
-            re.IGNORECASE,
-        ),
-        r"\1\2***",
-    ),
-    (re.compile(r"\b(bearer\s+)[^\s\"',;}]+", re.IGNORECASE), r"\1***"),
-    (
-        re.compile(
-            r"([?&;](?:api[_-]?key|key|token|access[_-]?token|auth)=)[^&\s\"'#]+",
-            re.IGNORECASE,
-        ),
-        r"\1***",
-    ),
-    (re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^@\s/]+@", re.IGNORECASE), r"\1***@"),
-)
-
-
-@functools.lru_cache(maxsize=8)
-def _standalone(api_key: str) -> re.Pattern[str]:
-    # The key as a whole token: not part of a longer word, so a short key never turns
-    # "return_token_ids" into "return_to***en_ids".
-    return re.compile(rf"(?<![A-Za-z0-9_-]){re.escape(api_key)}(?![A-Za-z0-9_-])")
-
-
-def redact(text: str, api_key: str | None) -> str:
-    """``text`` without credentials: header values, bearer tokens, URL query keys and
-    passwords, and ``api_key`` wherever it stands as a token of its own."""
-    for pattern, replacement in _SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
-    if api_key:
-        text = _standalone(api_key).sub("***", text)
-    return text
 
 
 def retry_after(headers: Headers) -> float | None:

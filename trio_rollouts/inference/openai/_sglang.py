@@ -1,5 +1,6 @@
-"""SGLang's per-token weight versions: exact ``policy_epoch`` boundaries on its OpenAI
-routes, as vLLM's native route gives them.
+"""SGLang's dialect (``server="sglang"``): its per-token weight versions, exact
+``policy_epoch`` boundaries on its OpenAI routes as vLLM's native route gives them, and
+pausing through its control endpoints (:class:`SGLangDialect`, see :mod:`._dialect`).
 
 SGLang stamps the weight version of each generated token (sglang#32660): ``weight_versions``
 in a native ``/generate`` reply's ``meta_info``, and in the ``sglext`` object of a reply on
@@ -12,15 +13,33 @@ A label the interface set becomes its epoch; any other (``"default"`` before the
 update, or a label set by someone else) is not guessed into an epoch: the response keeps
 the epoch its call started under. A replica counts as stamping once the interface has
 labelled it and as long as its replies carry labels it set.
+
+Pausing (``docs/pausing-servers.md``): ``POST /pause_generation {"mode": "in_place" |
+"abort"}``, ``POST /continue_generation {}``, and ``POST /update_weight_version
+{"new_version": ..., "abort_all_requests": false}`` (its default, ``true``, aborts every
+request in flight).
 """
 
 from __future__ import annotations
 
+from typing import Any, Final
+
 import attrs
+import trio
 
-from trio_rollouts.inference.openai._vllm import Span, policy_boundaries
+from trio_rollouts.inference._errors import InferenceError
+from trio_rollouts.inference._interface import InferenceRequest, InferenceResponse
+from trio_rollouts.inference._pausable import WeightUpdateError, WeightUpdateMode
+from trio_rollouts.inference.http._transport import Response, Transport
+from trio_rollouts.inference.openai._continuation import generated_tokens
+from trio_rollouts.inference.openai._control import ControlCall, ControlEndpoints
+from trio_rollouts.inference.openai._dialect import SERVER_MODES, DialectCall, RouteProbe
+from trio_rollouts.inference.openai._versions import Span, policy_boundaries
 
-__all__ = ["SGLangVersions", "reply_spans"]
+__all__ = ["SGLangDialect", "SGLangVersions", "missing_endpoint_hint", "reply_spans"]
+
+#: The field SGLang takes a prefix-cache salt in (its OpenAI routes).
+SALT_FIELD: Final = "extra_key"
 
 
 def _spans_of(value: object) -> list[Span] | None:
@@ -110,3 +129,106 @@ class SGLangVersions:
             return []
         boundaries, _ = policy_boundaries(spans, self.labels, 0)
         return boundaries
+
+
+# --------------------------------------------------------------------------- the dialect
+
+
+def missing_endpoint_hint(path: str) -> str:
+    """Why an SGLang control endpoint answers 404, and what to do."""
+    return (
+        f"; this SGLang does not serve {path}: upgrade SGLang, or pass server=None to pause "
+        "client-side only (drain, restart)"
+    )
+
+
+@attrs.frozen(eq=False)
+class SGLangDialect:
+    """SGLang: the OpenAI routes, epoch stamps from the weight versions in its replies,
+    and ``keep`` (``in_place``) / ``abort`` pauses through its control endpoints (see the
+    module docstring and :class:`~._dialect.Dialect`)."""
+
+    versions: SGLangVersions
+    control: ControlEndpoints
+
+    supported_modes = SERVER_MODES
+    pauses_servers = True
+    own_route = False
+    salt_field: str | None = SALT_FIELD
+
+    @property
+    def stamps(self) -> bool:
+        """Whether every replica was labelled by this interface and stamps with its labels."""
+        return self.versions.stamps
+
+    @property
+    def continuation_fields(self) -> dict[str, Any]:
+        return {}
+
+    def takes(self, index: int, body: dict[str, Any]) -> bool:
+        return False
+
+    async def prepare(self, transport: Transport, index: int) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def route(
+        self,
+        transport: Transport,
+        index: int,
+        request: InferenceRequest,
+        body: dict[str, Any],
+        call: DialectCall,
+    ) -> list[InferenceResponse] | None:
+        await trio.lowlevel.checkpoint()
+        return None
+
+    def stamp(self, index: int, reply: Response, parsed: list[InferenceResponse]) -> None:
+        """Each choice's ``policy_epoch`` from the weight versions SGLang stamped on its
+        tokens, unless the server sent its own stamps."""
+        spans = reply_spans(reply.json(), len(parsed))
+        for choice, spans_of_choice in zip(parsed, spans, strict=True):
+            if not choice.policy_epoch and generated_tokens(choice) != 0:
+                choice.policy_epoch = self.versions.boundaries(index, spans_of_choice)
+
+    async def pause(
+        self, transport: Transport, mode: WeightUpdateMode, paused: set[int]
+    ) -> WeightUpdateError | None:
+        call: ControlCall = (
+            "/pause_generation",
+            {"mode": "in_place" if mode == "keep" else "abort"},
+        )
+        return await self.control.pause(transport, mode, call, paused)
+
+    async def resume(
+        self,
+        transport: Transport,
+        epoch: int,
+        *,
+        held: bool,
+        previous_epoch: int,
+        paused: set[int],
+    ) -> InferenceError | None:
+        """A new epoch is first sent as each replica's weight version (never aborting:
+        ``abort_all_requests`` is always sent, ``false``), then ``/continue_generation``
+        to each replica in ``paused``."""
+        if not (held or paused):
+            return None
+        new_version = epoch if held and epoch != previous_epoch else None
+
+        def calls(replica_paused: bool) -> list[ControlCall]:
+            calls: list[ControlCall] = []
+            if new_version is not None:
+                body = {"new_version": str(new_version), "abort_all_requests": False}
+                calls.append(("/update_weight_version", body))
+            if replica_paused:
+                calls.append(("/continue_generation", {}))
+            return calls
+
+        error = await self.control.resume(transport, paused, calls)
+        if new_version is not None and error is None:
+            self.versions.labelled_all(new_version)
+        return error
+
+    async def probe_route(self, transport: Transport, index: int) -> RouteProbe:
+        await trio.lowlevel.checkpoint()
+        return RouteProbe()

@@ -30,7 +30,7 @@ from trio_rollouts.models._convert._records import (
     make_response_hook,
 )
 from trio_rollouts.models._convert._types import is_list, is_tuple, is_union
-from trio_rollouts.models._records import Cut
+from trio_rollouts.models._rollouts import Cut
 
 __all__ = ["structure", "unstructure"]
 

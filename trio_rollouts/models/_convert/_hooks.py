@@ -19,7 +19,7 @@ from trio_rollouts.models._convert._errors import (
 )
 from trio_rollouts.models._convert._fast import MISS, quick_path
 from trio_rollouts.models._convert._types import NoneType, StructureHook
-from trio_rollouts.models._records import Rollout, TokenRollout
+from trio_rollouts.models._rollouts import Rollout, TokenRollout
 
 __all__ = ["PRIMITIVE_HOOKS", "make_list_hook", "make_tuple_hook", "make_union_hook"]
 

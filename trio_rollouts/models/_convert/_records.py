@@ -9,12 +9,12 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 
+from trio_rollouts._messages import Record
 from trio_rollouts.models._convert._errors import DATA_ERRORS, Invalid, Problem, collect, describe
 from trio_rollouts.models._convert._fast import MISS, quick_path
 from trio_rollouts.models._convert._hooks import PRIMITIVE_HOOKS
 from trio_rollouts.models._convert._types import NoneType, StructureHook, UnstructureFn, is_union
-from trio_rollouts.models._messages import Record
-from trio_rollouts.models._records import EvaluationResponse, EvaluationResult, ResultT
+from trio_rollouts.models._evaluation import EvaluationResponse, EvaluationResult, ResultT
 
 __all__ = ["is_response", "make_record_hook", "make_record_unstructure", "make_response_hook"]
 

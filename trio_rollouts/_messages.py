@@ -1,9 +1,15 @@
-"""The ground floor of the data model: chat messages and generation arguments.
+"""The ground floor of the data model: the record base, chat messages and generation arguments.
 
-These are what the inference layer and the models both speak, so they live below both:
-``inference/`` and ``_models.py`` import them from here, and this module imports nothing
-of the package but the validators. Every value is checked where it is made (``TypeError``
-for a wrong type, ``ValueError`` for one out of range, naming the field and the value).
+These are what the inference layer and the models both speak, so they live below both,
+beside ``_checks``: ``inference/`` imports them from here, and ``models/`` re-exports
+them with the records that build on the inference contract (a request holds its
+inference interface). Inside ``models/`` they could not be: importing any module of a
+package runs its ``__init__``, so ``inference/`` would load ``models/``, whose requests
+load ``inference/``. This module imports nothing of the package but the validators.
+
+:class:`Record` is the base of every record that keeps unknown keys, with the field
+checks the records share. Every value is checked where it is made (``TypeError`` for a
+wrong type, ``ValueError`` for one out of range, naming the field and the value).
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ from trio_rollouts._checks import check_str as _check_str
 from trio_rollouts._checks import is_int as _is_int
 from trio_rollouts._checks import is_real as _is_real
 
-__all__ = ["CHAT_ROLES", "ChatMessage", "GenerationArgs", "LLMChatMessage", "Record"]
+__all__ = [
+    "CHAT_ROLES",
+    "ChatMessage",
+    "GenerationArgs",
+    "LLMChatMessage",
+    "Record",
+    "check_list",
+    "check_optional_float",
+]
 
 
 # --------------------------------------------------------------------------- base record
@@ -30,6 +44,22 @@ class Record:
 
     #: Keys this library does not know, preserved verbatim by structure/unstructure.
     extra: dict[str, Any] = attrs.field(factory=dict, repr=False)
+
+
+def check_optional_float(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """An attrs validator: the field is a real number (a bool is not) or ``None``."""
+    if value is None:
+        return
+    if not _is_real(value):
+        msg = f"{attribute.name} must be a float or None, got {value!r}"
+        raise TypeError(msg)
+
+
+def check_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """An attrs validator: the field is a ``list`` (its items are the record's to check)."""
+    if not isinstance(value, list):
+        msg = f"{attribute.name} must be a list, got {type(value).__name__} {value!r:.80}"
+        raise TypeError(msg)
 
 
 # --------------------------------------------------------------------------- messages

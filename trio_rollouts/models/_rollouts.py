@@ -1,245 +1,48 @@
-"""The data model: chat messages, generation arguments, requests, rollouts and groups.
+"""Rollouts and the groups they come in: what the pipeline delivers to a trainer.
 
-Every model is an attrs class with keyword-only fields, and every value is checked where
-it is made: a constructor (or a cattrs ``structure`` call, which goes through the
-constructor) raises ``ValueError``/``TypeError`` naming the field, the value and what is
-allowed. Records that cross process boundaries (rollouts, groups, evaluation results)
-keep the keys they do not know in :attr:`extra`, so a structure -> unstructure round
-trip is lossless, as the origin's ``extra='allow'`` was. Conversion itself lives in
-``_convert/``; this module only declares and validates.
+:class:`Rollout` (text) and :class:`TokenRollout` (token ids, generation mask,
+log-probabilities, the epochs and :class:`SamplingSpan` records the backend stamped) are
+one sample each; :class:`RolloutGroup` is GRPO's unit, the rollouts of one prompt with
+their place in the batch, the :class:`Cut` members the library's agents did not keep and
+numpy reward helpers; :class:`ContrastiveRollout` is a preference pair.
+:func:`checked_group` builds a group without its validators for the pipeline's hot path.
+Every value is checked where it is made, naming the field and the value; unknown keys are
+kept in ``extra`` (see ``Record`` in ``trio_rollouts._messages``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Generic, NamedTuple, TypeAlias, TypeVar, overload
+from typing import Any, NamedTuple, overload
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from trio_rollouts._checks import check_bool as _check_bool
 from trio_rollouts._checks import check_optional_str as _check_optional_str
 from trio_rollouts._checks import check_str as _check_str
 from trio_rollouts._checks import int_at_least as _int_at_least
 from trio_rollouts._checks import is_int as _is_int
 from trio_rollouts._checks import is_real as _is_real
-from trio_rollouts._checks import optional_int_at_least as _optional_int_at_least
-from trio_rollouts.inference._interface import InferenceInterface
+from trio_rollouts._messages import (
+    GenerationArgs,
+    Record,
+    check_list,
+    check_optional_float,
+)
 from trio_rollouts.inference._sampling import LOGPROBS_MODES
-from trio_rollouts.models._messages import ChatMessage, GenerationArgs, LLMChatMessage, Record
 
 __all__ = [
-    "ChatMessage",
+    "FIDELITY_LEVELS",
     "ContrastiveRollout",
-    "EvaluationRequest",
-    "EvaluationResponse",
-    "EvaluationResult",
-    "GenerationArgs",
-    "GroupedRolloutRequest",
-    "Head2HeadRolloutRequest",
-    "LLMChatMessage",
-    "Problem",
-    "ProblemLike",
-    "Request",
+    "Cut",
     "Rollout",
     "RolloutGroup",
-    "RolloutRequest",
     "SamplingSpan",
     "TokenRollout",
-    "as_problem",
+    "checked_group",
 ]
-
-# --------------------------------------------------------------------------- validators
-
-
-def _check_optional_finite(
-    instance: object, attribute: attrs.Attribute[Any], value: object
-) -> None:
-    if value is None:
-        return
-    if not _is_real(value):
-        msg = f"{attribute.name} must be a float or None, got {value!r}"
-        raise TypeError(msg)
-
-
-def _check_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, list):
-        msg = f"{attribute.name} must be a list, got {type(value).__name__} {value!r:.80}"
-        raise TypeError(msg)
-
-
-# --------------------------------------------------------------------------- requests
-
-
-def _check_interface(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, InferenceInterface):
-        msg = (
-            f"{attribute.name} must be an InferenceInterface, got "
-            f"{type(value).__name__} {value!r:.80}"
-        )
-        raise TypeError(msg)
-
-
-def _check_generation_args(
-    instance: object, attribute: attrs.Attribute[Any], value: object
-) -> None:
-    if not isinstance(value, GenerationArgs):
-        msg = f"generation_args must be a GenerationArgs, got {value!r}"
-        raise TypeError(msg)
-
-
-#: What :attr:`GroupedRolloutRequest.sampling_check` may say.
-SAMPLING_CHECKS = ("warn", "raise", "off")
-
-
-def _check_sampling_check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in SAMPLING_CHECKS:
-        allowed = ", ".join(repr(check) for check in SAMPLING_CHECKS)
-        msg = f"sampling_check must be one of {allowed}, got {value!r:.40}"
-        raise ValueError(msg)
-
-
-def _check_run_seed(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if not _is_int(value):
-        msg = f"seed must be an int or None (the run's seed), got {value!r:.40}"
-        raise TypeError(msg)
-
-
-@attrs.define(kw_only=True)
-class Request:
-    """Base of every request to an agent: the generation arguments to use."""
-
-    generation_args: GenerationArgs = attrs.field(
-        factory=GenerationArgs, validator=_check_generation_args
-    )
-
-
-@attrs.define(kw_only=True)
-class RolloutRequest(Request):
-    """Ask an agent for ``num_rollouts`` independent rollouts."""
-
-    num_rollouts: int = attrs.field(validator=_int_at_least(1))
-    inference_interface: InferenceInterface = attrs.field(validator=_check_interface)
-    validation: bool = attrs.field(default=False, validator=_check_bool)
-
-
-@attrs.define(kw_only=True)
-class GroupedRolloutRequest(Request):
-    """Ask an agent for groups of rollouts (GRPO): ``num_groups`` groups per batch, each of
-    ``rollouts_per_group`` rollouts. See :meth:`GroupedRolloutGenerator.get_grouped_rollouts`
-    for what ``streaming``, ``enforce_order`` and ``filter_groups_with_same_reward`` do.
-
-    Weight updates (see :meth:`RolloutStream.weight_update`): ``initial_epoch`` is the
-    stream's first policy epoch (``None``: the interface's ``policy_epoch`` when it is
-    :class:`~trio_rollouts.inference.Pausable`, else 0; an explicit value is given to a
-    Pausable interface when the stream opens). ``max_staleness`` bounds how many epochs
-    older than the stream's a delivered group's ``start_epoch`` may be (``None``: no
-    bound).
-
-    What the server says about each sample: ``sampling_check`` (``"warn"``, the
-    default, ``"raise"`` or ``"off"``) says what to do when the stream opens and a
-    replica would return log-probabilities that are not those of the distribution it
-    sampled from (raw logprobs with ``temperature != 1``; ``top_p < 1`` or ``top_k``
-    without a sampling mask): one :class:`~trio_rollouts.SamplingBiasWarning` per replica
-    and combination, or :class:`~trio_rollouts.SamplingBiasError` before any work.
-    ``seed``: the run's seed; when set, every inference request gets a seed of its own,
-    a stable hash of (``seed``, the epoch it starts under, the problem's id, the member's
-    index in its group, the turn, the continuation), so a replayed or resumed run sends
-    the same seeds and no two requests of a run share one (``None``: no seed is sent,
-    unless ``generation_args.seed`` sets one for every request).
-
-    ``group_calls`` (default ``True``): when the interface is
-    :class:`~trio_rollouts.inference.GeneratesGroups`, :class:`~trio_rollouts.RewardOnlyAgent`
-    asks for a group's completions in one call (vLLM's ``n``: the prompt is prefilled
-    once), and :class:`~trio_rollouts.MultiTurnAgent` its episodes' first turns when they
-    are the same request; ``False`` sends one call per member.
-
-    The long tail (``docs/weight-updates.md``, "The long tail"), in the library's agents:
-    ``extra_rollouts`` (default 0) starts ``rollouts_per_group + extra_rollouts`` members,
-    one call each, and keeps the first ``rollouts_per_group`` to finish (the others are
-    cut: it favours fast, often short, answers); with ``max_staleness`` and one call per
-    member (``group_calls=False``, or extras), members still running when their group
-    reaches the bound at a ``keep``/``abort`` update are cut and sampled again under the
-    new epoch. Every cut is in ``RolloutGroup.cuts`` and ``statistics().cut``. Custom
-    agents see ``extra_rollouts`` as a field only."""
-
-    num_groups: int = attrs.field(validator=_int_at_least(1))
-    rollouts_per_group: int = attrs.field(validator=_int_at_least(1))
-    inference_interface: InferenceInterface = attrs.field(validator=_check_interface)
-    validation: bool = attrs.field(default=False, validator=_check_bool)
-    filter_groups_with_same_reward: bool = attrs.field(default=False, validator=_check_bool)
-    streaming: bool = attrs.field(default=False, validator=_check_bool)
-    enforce_order: bool = attrs.field(default=False, validator=_check_bool)
-    initial_epoch: int | None = attrs.field(default=None, validator=_optional_int_at_least(0))
-    max_staleness: int | None = attrs.field(default=None, validator=_optional_int_at_least(0))
-    sampling_check: str = attrs.field(default="warn", validator=_check_sampling_check)
-    seed: int | None = attrs.field(default=None, validator=_check_run_seed)
-    group_calls: bool = attrs.field(default=True, validator=_check_bool)
-    extra_rollouts: int = attrs.field(default=0, validator=_int_at_least(0))
-
-
-def _check_interface_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, list) or not value:
-        msg = f"inference_interface must be a non-empty list of InferenceInterface, got {value!r}"
-        raise TypeError(msg)
-    for i, item in enumerate(value):
-        if not isinstance(item, InferenceInterface):
-            msg = (
-                f"inference_interface[{i}] must be an InferenceInterface, got "
-                f"{type(item).__name__} {item!r:.80}"
-            )
-            raise TypeError(msg)
-
-
-@attrs.define(kw_only=True)
-class Head2HeadRolloutRequest(Request):
-    """Send the same prompts to several interfaces and compare their rewards."""
-
-    num_rollouts: int = attrs.field(validator=_int_at_least(1))
-    inference_interface: list[InferenceInterface] = attrs.field(validator=_check_interface_list)
-    validation: bool = attrs.field(default=False, validator=_check_bool)
-
-
-def _check_rank_info(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if not isinstance(value, tuple) or len(value) != 2 or not all(_is_int(v) for v in value):
-        msg = f"rank_info must be a (rank, world_size) tuple of ints or None, got {value!r}"
-        raise TypeError(msg)
-    rank, world = value
-    if world < 1:
-        msg = f"rank_info world_size must be >= 1, got {world!r} in rank_info={value!r}"
-        raise ValueError(msg)
-    if not 0 <= rank < world:
-        msg = f"rank_info rank must be in [0, {world}), got {rank!r} in rank_info={value!r}"
-        raise ValueError(msg)
-
-
-def _to_rank_info(value: object) -> object:
-    # Lists come out of JSON and argparse; a 2-list is accepted as a tuple.
-    if isinstance(value, list):
-        return tuple(value)
-    return value
-
-
-@attrs.define(kw_only=True)
-class EvaluationRequest(Request):
-    """Evaluate ``num_prompts`` prompts; ``rank_info=(rank, world_size)`` evaluates this
-    rank's shard only (``None``: all of them)."""
-
-    inference_interface: InferenceInterface = attrs.field(validator=_check_interface)
-    num_prompts: int = attrs.field(validator=_int_at_least(0))
-    rank_info: tuple[int, int] | None = attrs.field(
-        default=None, converter=_to_rank_info, validator=_check_rank_info
-    )
-    validation: bool = attrs.field(default=True, validator=_check_bool)
-
-
-# --------------------------------------------------------------------------- rollouts
 
 
 def _per_element(name: str, values: Sequence[Any], n: int) -> None:
@@ -260,14 +63,14 @@ class Rollout(Record):
     boundaries the inference engine stamped on trajectory element ``i``.
     """
 
-    trajectory: list[str] = attrs.field(validator=_check_list)
+    trajectory: list[str] = attrs.field(validator=check_list)
     prompt_length: list[int] | None = None
-    reward: float | None = attrs.field(default=None, validator=_check_optional_finite)
+    reward: float | None = attrs.field(default=None, validator=check_optional_float)
     env_id: str = attrs.field(default="", validator=_check_str)
     problem_id: str | None = attrs.field(default=None, validator=_check_optional_str)
-    policy_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
-    kv_cache_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
-    num_evictions: list[int] = attrs.field(factory=list, validator=_check_list)
+    policy_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=check_list)
+    kv_cache_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=check_list)
+    num_evictions: list[int] = attrs.field(factory=list, validator=check_list)
 
     def __attrs_post_init__(self) -> None:
         n = len(self.trajectory)
@@ -377,15 +180,15 @@ class TokenRollout(Record):
     engines return them.
     """
 
-    trajectory: list[list[int]] = attrs.field(validator=_check_list)
+    trajectory: list[list[int]] = attrs.field(validator=check_list)
     reward: list[float] | float = attrs.field(validator=_check_token_reward)
     generation_mask: list[list[bool]] | None = None
     logprobs: list[list[float]] | None = None
     env_id: str = attrs.field(default="", validator=_check_str)
     problem_id: str | None = attrs.field(default=None, validator=_check_optional_str)
-    policy_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
-    kv_cache_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=_check_list)
-    num_evictions: list[int] = attrs.field(factory=list, validator=_check_list)
+    policy_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=check_list)
+    kv_cache_epoch: list[list[tuple[int, int]]] = attrs.field(factory=list, validator=check_list)
+    num_evictions: list[int] = attrs.field(factory=list, validator=check_list)
     fidelity: str | None = attrs.field(
         default=None, validator=_check_fidelity, metadata={"omit_if_none": True}
     )
@@ -585,110 +388,8 @@ class RolloutGroup(Record):
 class ContrastiveRollout(Record):
     """A preference pair: the chosen and the rejected trajectory."""
 
-    chosen_trajectory: list[str] = attrs.field(validator=_check_list)
-    rejected_trajectory: list[str] = attrs.field(validator=_check_list)
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-@attrs.define(kw_only=True)
-class EvaluationResult(Record):
-    """One evaluated prompt and the model's response."""
-
-    prompt: str | list[ChatMessage]
-    response: str | ChatMessage
-
-
-@attrs.define(kw_only=True)
-class RewardEvaluationResult(EvaluationResult):
-    """An evaluation result scored with a reward."""
-
-    reward: float = attrs.field(validator=_check_optional_finite)
-    problem_id: str | None = attrs.field(default=None, validator=_check_optional_str)
-
-
-ResultT = TypeVar("ResultT", bound=EvaluationResult)
-
-#: Every EvaluationResponse subclass by class name (for structuring by ``type_name``).
-_RESPONSE_TYPES: dict[str, type[EvaluationResponse[Any]]] = {}
-
-
-@attrs.define(kw_only=True)
-class EvaluationResponse(Record, Generic[ResultT]):
-    """An environment's evaluation results. Subclasses implement :meth:`metrics`.
-
-    Every subclass is registered under its class name: ``unstructure`` writes it as
-    ``type_name`` and structuring a dict as ``EvaluationResponse`` returns the subclass
-    the dict names. A later class with the same name replaces the earlier one.
-    """
-
-    env_id: str = attrs.field(validator=_check_str)
-    results: list[ResultT] = attrs.field(validator=_check_list)
-    #: ``(rank, world_size)`` of the shard these results are, as the request's
-    #: ``rank_info`` said (``None``: the whole evaluation). A merge of the ranks'
-    #: responses checks it: each rank once, one world size.
-    rank_info: tuple[int, int] | None = attrs.field(
-        default=None, converter=_to_rank_info, validator=_check_rank_info
-    )
-
-    type_registry: ClassVar[dict[str, type[EvaluationResponse[Any]]]] = _RESPONSE_TYPES
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # attrs builds a new class for slotted classes; the last one built wins.
-        _RESPONSE_TYPES[cls.__name__] = cls
-
-    def metrics(self) -> dict[str, float]:
-        """Aggregate the results into named metrics."""
-        msg = f"{type(self).__name__} did not provide metric aggregation (override metrics())"
-        raise NotImplementedError(msg)
-
-
-_RESPONSE_TYPES["EvaluationResponse"] = EvaluationResponse
-
-
-# --------------------------------------------------------------------------- problems
-
-
-def _check_problem_id(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if not isinstance(value, str):
-        msg = f"problem_id must be a str, got {value!r:.80}"
-        raise TypeError(msg)
-
-
-def _check_prompt(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, str):
-        return
-    if isinstance(value, list) and value and all(isinstance(m, ChatMessage) for m in value):
-        return
-    msg = f"prompt must be a str or a non-empty list of ChatMessage, got {value!r:.80}"
-    raise TypeError(msg)
-
-
-@attrs.frozen(kw_only=True)
-class Problem:
-    """One problem: its id, the prompt (a string is one user message) and the reference
-    ``answer`` the reward function checks against (any value)."""
-
-    problem_id: str = attrs.field(validator=_check_problem_id)
-    prompt: str | list[ChatMessage] = attrs.field(validator=_check_prompt)
-    answer: Any = None
-
-
-#: A problem, or a ``(problem_id, prompt, answer)`` tuple.
-ProblemLike: TypeAlias = Problem | tuple[str, str | list[ChatMessage], Any]
-
-
-def as_problem(value: object, where: str) -> Problem:
-    """A :class:`Problem` from a problem or a ``(problem_id, prompt, answer)`` tuple."""
-    if isinstance(value, Problem):
-        return value
-    if isinstance(value, tuple) and len(value) == 3:
-        problem_id, prompt, answer = value
-        return Problem(problem_id=problem_id, prompt=prompt, answer=answer)
-    msg = f"{where} must be a Problem or a (problem_id, prompt, answer) tuple, got {value!r:.80}"
-    raise TypeError(msg)
+    chosen_trajectory: list[str] = attrs.field(validator=check_list)
+    rejected_trajectory: list[str] = attrs.field(validator=check_list)
 
 
 def _slot_setter(name: str) -> Callable[[RolloutGroup, object], None]:
