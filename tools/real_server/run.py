@@ -264,13 +264,23 @@ def new_agent() -> ArithmeticAgent:
 
 
 async def stream_groups(base_url: str, model: str, n: int) -> list[tr.RolloutGroup]:
+    """The Trio path, with the transport owned by the caller's ``async with``: it is
+    closed (no connection left) when the block ends."""
     groups: list[tr.RolloutGroup] = []
+    request = library_request(base_url, model)
+    interface = request.inference_interface
+    check(isinstance(interface, tr.OpenAIInference), "the request's interface is not HTTP")
     with trio.fail_after(STEP_TIMEOUT):
-        async with new_agent().get_grouped_rollouts(library_request(base_url, model)) as stream:
-            async for group in stream:
-                groups.append(group)
-                if len(groups) == n:
-                    break
+        async with interface:  # type: ignore[attr-defined]
+            async with new_agent().get_grouped_rollouts(request) as stream:
+                async for group in stream:
+                    groups.append(group)
+                    if len(groups) == n:
+                        break
+            used = interface.statistics()  # type: ignore[attr-defined]
+    check(sum(used.attempts) > 0, "no request went through the caller's transport")
+    check(not any(used.in_flight), f"requests in flight when the stream ended: {used}")
+    print(f"caller-owned transport: {sum(used.attempts)} requests, closed with its block")
     return groups
 
 

@@ -22,6 +22,7 @@ from trio_rollouts.models._rollouts import RolloutGroup
 from trio_rollouts.pipeline._ledger import RolloutStreamStatistics
 
 if TYPE_CHECKING:
+    import trio_rollouts.inference
     from trio_rollouts.inference import InferenceInterface, WeightUpdateMode
     from trio_rollouts.pipeline._epochs import WeightUpdate
 
@@ -70,7 +71,10 @@ class GroupSource(Protocol):
         caller's consumer: its prompt draws are done. Any thread."""
 
     def weight_update(
-        self, mode: object, epoch: object, backends: Sequence[InferenceInterface] | None
+        self,
+        mode: object,
+        epoch: object,
+        backends: Sequence[trio_rollouts.inference.InferenceInterface] | None,
     ) -> contextlib.AbstractAsyncContextManager[WeightUpdate]:
         """The stream's :meth:`RolloutStream.weight_update`."""
 
