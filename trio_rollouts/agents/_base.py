@@ -2,7 +2,7 @@
 
 Every agent is an attrs class; users subclass with ``@attrs.define`` and add their own
 fields. Agents only say *what* one rollout or one group is; running many of them
-concurrently, with bounds and clean shutdown, is the library's job (``_pipeline.py`` for
+concurrently, with bounds and clean shutdown, is the library's job (``trio_rollouts.pipeline`` for
 groups, :func:`~trio_rollouts._concurrency.gather` for flat lists).
 """
 

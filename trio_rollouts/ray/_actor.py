@@ -1,6 +1,6 @@
 """A rollout actor: one agent's grouped pipeline in a Ray actor's process.
 
-The pipeline (``_pipeline.py``, unchanged) runs in a Trio thread of the actor
+The pipeline (``trio_rollouts.pipeline``, unchanged) runs in a Trio thread of the actor
 (:class:`~trio_rollouts.bridge._thread.TrioThread`, the sync bridge's runner); the actor's
 methods are called by Ray in threads of their own and block them, never the pipeline.
 The merge (``_merge.py``) drives the actors: :meth:`RolloutActor.serve` takes groups and
