@@ -677,7 +677,7 @@ async def test_a_lookup_stuck_behind_busy_threads_is_not_read_as_a_timeout(
 
 async def test_slow_server_raises_timeout_error(server: FakeOpenAIServer) -> None:
     server.default = Reply(delay=10.0)
-    interface = make(server.base_url, timeout=httpx2.Timeout(0.2), max_retries=1)
+    interface = make(server.base_url, timeout=httpx2.Timeout(10.0, read=0.2), max_retries=1)
     with trio.fail_after(PROMPT), pytest.raises(InferenceTimeoutError) as caught:
         await interface.agenerate(ask(interface))
     assert len(server.received) == 2
