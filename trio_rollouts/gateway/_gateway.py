@@ -4,8 +4,12 @@
 block and yields the :class:`Gateway`; ``gw.session(problem)`` opens a
 :class:`GatewaySession` whose ``base_url`` an unmodified agent is pointed at. Routes,
 under ``{gw.url}/sessions/<id>/v1``: ``POST /chat/completions`` (``stream: true`` too)
-and ``GET /models``. The API key, when one is set, is checked before routing, so a caller
-without it learns nothing about session ids; errors are in the OpenAI shape.
+and ``GET /models``. The same routes under ``{gw.url}/v1`` serve the session an
+``X-Session-ID`` header names, exactly as its path would (one base URL for a whole run,
+as verifiers uses); a path and a header that name different sessions are a 400, and
+``/v1/...`` without the header is a 404. The API key, when one is set, is checked before
+routing, so a caller without it learns nothing about session ids; errors are in the
+OpenAI shape.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ CLOSED_REMEMBERED: Final = 65_536
 LEAVE_GRACE: Final = 5.0
 #: The key the clients of a gateway without one are given (the SDKs want a key).
 NO_KEY: Final = "trio-rollouts"
+#: The header that names a call's session on the shared base URL ``{gw.url}/v1``.
+SESSION_HEADER: Final = "X-Session-ID"
 _ON_BREAK = ("split", "raise")
 
 
@@ -79,7 +85,9 @@ class GatewaySession:
     :meth:`rollout`.
 
     - ``id``: unguessable (``secrets.token_urlsafe``) unless the caller named it;
-    - ``base_url``: ``{gw.url}/sessions/{id}/v1``, what ``OPENAI_BASE_URL`` gets;
+    - ``base_url``: ``{gw.url}/sessions/{id}/v1``, what ``OPENAI_BASE_URL`` gets (or
+      ``{gw.url}/v1`` with an ``X-Session-ID: {id}`` header, for a client that shares
+      one base URL among sessions);
     - ``api_key``: the gateway's key, or ``"trio-rollouts"`` when it has none;
     - ``problem``: the problem given to ``gw.session``;
     - ``messages``: the conversation of the session's current element, the replies it
@@ -210,7 +218,8 @@ class GatewaySession:
 @attrs.define(eq=False, kw_only=True)
 class Gateway:
     """A running gateway (from :func:`serve`): ``url`` is its root
-    (``http://127.0.0.1:PORT``); :meth:`session` opens a session."""
+    (``http://127.0.0.1:PORT``); :meth:`session` opens a session. A client may also
+    call ``{url}/v1/...`` with an ``X-Session-ID`` header naming a session."""
 
     url: str
     inference: InferenceInterface
@@ -306,16 +315,31 @@ class Gateway:
             )
 
     def _route(self, request: HTTPRequest) -> tuple[GatewaySession, str]:
-        parts = request.path.split("/")
-        # "", "sessions", <id>, "v1", rest...
-        if len(parts) < 5 or parts[0] or parts[1] != "sessions" or parts[3] != "v1":
-            raise GatewayError(404, f"no route {request.path!r}: use /sessions/<id>/v1/...")
-        rest = "/".join(parts[4:])
+        """The session and route a request is for: the session from the path
+        (``/sessions/<id>/v1/...``) or from the ``X-Session-ID`` header (``/v1/...``)."""
+        path_id, rest = _split_path(request.path)
+        header_id = request.headers.get(SESSION_HEADER.lower())
+        if header_id is not None:
+            if not header_id:
+                msg = f"the {SESSION_HEADER} header is empty: give it a session id, or leave it out"
+                raise GatewayError(400, msg)
+            if path_id is not None and path_id != header_id:
+                msg = (
+                    f"the path names session {path_id!r} but the {SESSION_HEADER} header "
+                    f"names session {header_id!r}: send one of them, or the same id in both"
+                )
+                raise GatewayError(400, msg)
+        session_id = path_id if path_id is not None else header_id
+        if rest is None or session_id is None:
+            msg = (
+                f"no route {request.path!r}: use /sessions/<id>/v1/..., "
+                f"or /v1/... with an {SESSION_HEADER} header"
+            )
+            raise GatewayError(404, msg)
         routes = {"chat/completions": ("POST", "chat"), "models": ("GET", "models")}
         if rest not in routes:
             raise GatewayError(404, f"no route {request.path!r}")
         method, route = routes[rest]
-        session_id = parts[2]
         session = self._live.get(session_id)
         if session is None:
             if session_id in self._closed:
@@ -332,6 +356,20 @@ class Gateway:
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "trio-rollouts"}
             ],
         }
+
+
+def _split_path(path: str) -> tuple[str | None, str | None]:
+    """``(session id, route)`` of a request path: ``/sessions/<id>/v1/<route>`` gives
+    both, ``/v1/<route>`` only the route (the session comes from the header), anything
+    else neither."""
+    parts = path.split("/")
+    # "", "sessions", <id>, "v1", route...
+    if len(parts) >= 5 and not parts[0] and parts[1] == "sessions" and parts[3] == "v1":
+        return parts[2], "/".join(parts[4:])
+    # "", "v1", route...
+    if len(parts) >= 3 and not parts[0] and parts[1] == "v1":
+        return None, "/".join(parts[2:])
+    return None, None
 
 
 def _body(request: HTTPRequest) -> dict[str, Any]:

@@ -68,7 +68,9 @@ class HTTPRequest:
         method: the method as sent (``"GET"``, ``"POST"``, ...).
         path: the request target up to ``?``, not percent-decoded.
         query: the raw query string after ``?`` (``""`` if none).
-        headers: lower-case names to values; a name sent twice keeps its last value.
+        headers: lower-case names to values; a name sent more than once has its values
+            joined with ``", "`` in the order sent (RFC 9110, section 5.3), so that no
+            value is silently dropped (a repeated ``X-Session-ID`` names no session).
         body: the whole body, de-chunked.
     """
 
@@ -215,9 +217,10 @@ class _Connection:
         request = await self._next_event()
         if not isinstance(request, h11.Request):
             return None  # ConnectionClosed, between requests
-        headers = {
-            name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers
-        }
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in request.headers:  # h11 lower-cases the names
+            name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
         declared = headers.get("content-length")
         if declared is not None and int(declared) > self._max_body:  # h11 checked it is digits
             raise self._too_large(f" ({declared} bytes)")
