@@ -22,6 +22,10 @@ against DESIGN.md, "Weight updates and staleness" (see :func:`check`):
 - slots: never one delivered twice; exactly in order with ``enforce_order``; batch 0 only,
   and all of it when iterated to the end, without streaming;
 - no hang: a ``trio.TooSlowError`` after ``HANG_AFTER`` virtual seconds fails the run;
+  a *starved* scenario (see :attr:`Scenario.starved`: filtering, and every call either
+  has identical rewards or certainly runs into the group deadline) never delivers a
+  group and must end at the filter bound, which its agent sets to
+  ``STARVED_MAX_CONSECUTIVE_FILTERED``;
 - the ledger: ``unaccounted == 0`` at every call's start and end, at every take, in every
   backend pause, at the start and end of every update body, and after exit; counters never
   go back;
@@ -36,7 +40,8 @@ against DESIGN.md, "Weight updates and staleness" (see :func:`check`):
   stamps name only that epoch and the keep/abort epochs committed while the call ran;
 - failures: a failing pause is a ``WeightUpdateError`` caused by it (a failing resume is
   a note, or the cause after a body that returned), an unsupported mode a ``TypeError``
-  before anything pauses; the exception that leaves the stream is one the scenario raised;
+  before anything pauses; the exception that leaves the stream is one the scenario raised
+  (or, in a starved scenario only, the filter bound's ``RuntimeError``);
 - counters: ``restarted`` only under restart, ``stale`` only with a bound, ``mixed`` only
   for groups that spanned a keep/abort update on a backend that does not stamp; a
   generous ``group_timeout`` never fires (time held by keep/abort does not count).
@@ -81,6 +86,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:the first 32 groups:RuntimeWarni
 
 #: Virtual seconds after which a run counts as hung.
 HANG_AFTER = 10_000.0
+#: The agent's ``max_consecutive_filtered`` in a starved scenario (the library default,
+#: 10_000, in all others). With the default, a starved scenario would reach the bound only
+#: after ~20_000 calls, past ``HANG_AFTER`` (1.25 virtual seconds per filtered group in the
+#: scenario that found this: 12_502 s).
+STARVED_MAX_CONSECUTIVE_FILTERED = 20
+#: What the filter bound's ``RuntimeError`` says.
+FILTER_BOUND_MESSAGE = "groups in a row had identical rewards"
 #: Examples per property; every example is one short trio.run.
 PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -236,6 +248,38 @@ class Scenario:
     @property
     def updates(self) -> list[Update]:
         return [a for a in self.actions if isinstance(a, Update)]
+
+    def always_late(self, pre: float | None) -> bool:
+        """Whether a call with pre-latency ``pre`` certainly runs to the policy's deadline
+        (a call that returns at it is late too): its sleep and sequential requests alone
+        take that long. Weight updates only add time, except that a keep/abort update
+        stops the deadline's clock while the call's own sleep goes on."""
+        timeout = None if self.policy is None else self.policy.group_timeout
+        if timeout is None:
+            return False
+        request = self.first_token + self.tokens * self.per_token
+        return (pre or 0.0) + self.rollouts_per_group * request >= timeout
+
+    @property
+    def starved(self) -> bool:
+        """Whether, with filtering, no call can return a group that is kept, so that no
+        group is ever delivered (keep/abort updates aside, see :meth:`always_late`).
+
+        Call ``n`` has ``pre_latencies[n % len]`` and ``equal_rewards[n % len]``, so calls
+        repeat with the period ``lcm`` of the two lengths (injected failures are only a
+        few early calls). Forcing one ``equal_rewards`` entry to False is not enough when
+        the calls with differing rewards are the ones that always time out: e.g. pre
+        latencies (2.0, 1.0, None, None), rewards (differ, differ, equal, equal),
+        ``group_timeout=1.5``. Such a slot alternates a timeout (retried) and a filtered
+        group (which starts the group's attempts afresh, so ``max_attempts`` is never
+        used up): only ``max_consecutive_filtered`` ends the run."""
+        if not self.filtering:
+            return False
+        pres, equal = self.pre_latencies, self.equal_rewards
+        period = math.lcm(len(pres), len(equal))
+        return all(
+            equal[n % len(equal)] or self.always_late(pres[n % len(pres)]) for n in range(period)
+        )
 
     def max_call_seconds(self) -> float:
         """An upper bound on one attempt's running time, time held by keep/abort not
@@ -473,6 +517,7 @@ def make_agent(sc: Scenario, rec: Recorder) -> tr.GroupedRolloutGenerator:
     common = {
         "parallel_generation_tasks": sc.parallel,
         "buffer_size": sc.buffer_size,
+        "max_consecutive_filtered": STARVED_MAX_CONSECUTIVE_FILTERED if sc.starved else 10_000,
         "failure_policy": tr.FailurePolicy() if sc.policy is None else sc.policy.build(),
     }
     if not sc.multitask:
@@ -825,6 +870,12 @@ def check(out: Outcome) -> None:
         if sc.finish == "raise" or any(u.body == "leave" for u in sc.updates):
             allowed.append(ConsumerError)
         for leaf in leaves(out.error):
+            if type(leaf) is RuntimeError and FILTER_BOUND_MESSAGE in str(leaf):
+                # The filter bound: only where no group can be kept.
+                assert sc.starved, out.error
+                assert out.final is not None
+                assert out.final.filtered > STARVED_MAX_CONSECUTIVE_FILTERED
+                continue
             assert isinstance(leaf, tuple(allowed)), out.error
         if isinstance(out.error, (Fatal, Flaky)):
             assert sc.failures
@@ -887,6 +938,8 @@ def check(out: Outcome) -> None:
         if out.exhausted and out.error is None and not out.outer_cancelled:
             assert sorted(slots) == [(0, i) for i in range(g)]
     assert final.delivered == len(out.delivered)
+    if sc.starved and not any(u.mode in ("keep", "abort") for u in sc.updates):
+        assert out.delivered == []
 
     # Every group's start_epoch is the stream's epoch when its call started; stamps.
     calls = {str(c.number): c for c in rec.calls}
@@ -1002,6 +1055,8 @@ def scenarios(
     filtering = draw(st.booleans())
     equal = draw(st.lists(st.booleans(), min_size=1, max_size=4))
     if filtering:
+        # Some group can pass the filter, unless every call with differing rewards times
+        # out (a starved scenario, see Scenario.starved).
         equal[draw(st.integers(0, len(equal) - 1))] = False
     fail_points: tuple[tuple[int, type[Exception]], ...] = ()
     timeout: Literal["none", "tight", "generous"] | None = None
