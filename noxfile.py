@@ -100,8 +100,8 @@ def vllm(session: nox.Session) -> None:
     # PyPI gives CUDA builds of these, which break beside CPU torch (torchvision's
     # `nms` operator, torchcodec's libraries kill the server at start); text needs none.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    # openai: the gateway check's agent is the real SDK.
-    session.install("-e", ".[plot]", "openai")
+    # openai, anthropic: the gateway check's agents are the real SDKs.
+    session.install("-e", ".[plot]", "openai", "anthropic")
     session.run("python", "tools/vllm/run.py", *session.posargs)
 
 

@@ -33,8 +33,19 @@ import trio
 import trio_rollouts as tr
 from trio_rollouts import ChatMessage, GroupedRolloutRequest, PlainRenderer, Problem, PromptSource
 from trio_rollouts.envs import calculate
-from trio_rollouts.gateway import AgentCommandError, CommandTimeoutError, GatewayAgent, _agent
-from trio_rollouts.gateway._agent import KILL_GRACE, OUTPUT_LIMIT, problem_json, reward_from_stdout
+from trio_rollouts.gateway import (
+    AgentCommandError,
+    CommandTimeoutError,
+    GatewayAgent,
+    _agent,
+    _command,
+)
+from trio_rollouts.gateway._command import (
+    KILL_GRACE,
+    OUTPUT_LIMIT,
+    problem_json,
+    reward_from_stdout,
+)
 from trio_rollouts.inference import EmbeddedInference, LatencyModel
 from trio_rollouts.testing import NullInference
 
@@ -388,7 +399,7 @@ def test_problem_json() -> None:
 
 
 def test_the_output_tail_keeps_the_last_bytes_and_drops_the_cut_line() -> None:
-    tail = _agent._Tail()
+    tail = _command._Tail()
     tail.add(b"x" * (OUTPUT_LIMIT - 3) + b"\nfirst\n")
     tail.add(b'{"reward": 1}\n')
     assert len(tail.data) == OUTPUT_LIMIT

@@ -300,7 +300,7 @@ def main(work: Path, grpo: bool) -> None:
         trio.run(run_library_checks, vllm)
         timings["library"] = time.monotonic() - mark
 
-        step("the gateway: an unmodified openai-SDK agent, token-in")
+        step("the gateway: unmodified SDK agents in its three dialects, token-in")
         mark = time.monotonic()
         print(f"gateway: {trio.run(check_gateway, vllm)}", flush=True)
         timings["gateway"] = time.monotonic() - mark

@@ -14,6 +14,7 @@ See ``docs/gateway.md``.
 from trio_rollouts.gateway._agent import AgentCommandError as AgentCommandError
 from trio_rollouts.gateway._agent import CommandTimeoutError as CommandTimeoutError
 from trio_rollouts.gateway._agent import GatewayAgent as GatewayAgent
+from trio_rollouts.gateway._asyncio import AsyncioCancelTimeoutError as AsyncioCancelTimeoutError
 from trio_rollouts.gateway._gateway import Gateway as Gateway
 from trio_rollouts.gateway._gateway import GatewaySession as GatewaySession
 from trio_rollouts.gateway._gateway import serve as serve

@@ -6,7 +6,8 @@ inference interface) and ``rollouts_per_group`` *members* run concurrently, each
 session of its own. A member is the user's agent, pointed at its session's ``base_url``:
 
 - an async ``function(base_url, problem) -> reward | None`` run in this Trio run (an
-  ``openai.AsyncOpenAI`` client works on Trio), or
+  ``openai.AsyncOpenAI`` client works on Trio), or, written for asyncio (the Agents
+  SDK's ``Runner.run``), in an asyncio loop of its own on a worker thread, or
 - a ``command``, run as a subprocess that knows nothing of this library: the OpenAI SDKs
   read ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``; the problem is in
   ``TRIO_ROLLOUTS_PROBLEM`` and on stdin, as JSON; the last line of its stdout that is a
@@ -19,16 +20,10 @@ sampled, token-exact where the backend generates from ids.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import json
-import math
-import numbers
 import os
 import shlex
-import signal
-import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
@@ -40,19 +35,38 @@ from trio_rollouts._concurrency import flatten_exception_groups, gather
 from trio_rollouts._messages import ChatMessage
 from trio_rollouts.agents._base import GroupedRolloutGenerator
 from trio_rollouts.episodes import check_min_fidelity, check_on_break, check_renderer
+from trio_rollouts.gateway._asyncio import (
+    AsyncioCancelTimeoutError,
+    asyncio_error_hint,
+    run_in_asyncio,
+    written_for_asyncio,
+)
+from trio_rollouts.gateway._command import (
+    KILL_GRACE,
+    MAX_VARIABLE,
+    OUTPUT_LIMIT,
+    AgentCommandError,
+    CommandTimeoutError,
+    bypass_proxies,
+    checked_reward,
+    problem_json,
+    reward_from_stdout,
+    run_command,
+)
 from trio_rollouts.gateway._gateway import Gateway, GatewaySession, serve
 from trio_rollouts.models._problems import Problem
 from trio_rollouts.models._requests import GroupedRolloutRequest
 from trio_rollouts.models._rollouts import TokenRollout
-from trio_rollouts.pipeline._failure import StepTimeoutError
 from trio_rollouts.pipeline._sampling import request_seed
 from trio_rollouts.renderers import Renderer
 
 __all__ = [
+    "ASYNCIO_CANCEL_TIMEOUT",
     "KILL_GRACE",
     "OUTPUT_LIMIT",
     "AgentCommandError",
     "AgentFunction",
+    "AsyncioCancelTimeoutError",
     "CommandTimeoutError",
     "GatewayAgent",
     "problem_json",
@@ -65,51 +79,17 @@ AgentFunction = Callable[[str, Problem], Awaitable[float | None]]
 #: awaitable is awaited).
 RewardFunction = Callable[[Problem, list[ChatMessage]], float | Awaitable[float]]
 
-#: The last this many bytes of a command's stdout, and of its stderr, are kept.
-OUTPUT_LIMIT: Final = 64 * 1024
-#: Seconds a cancelled command's process group has between SIGTERM and SIGKILL.
-KILL_GRACE: Final = 2.0
-#: Lines of a failed command's stderr its error shows.
-_STDERR_LINES: Final = 20
+#: Seconds a cancelled asyncio function's loop has to end, by default.
+ASYNCIO_CANCEL_TIMEOUT: Final = 5.0
 #: Environment variables a command gets from its member (``env`` may not set them).
 _MEMBER_VARIABLES: Final = (
     "OPENAI_BASE_URL",
     "OPENAI_API_BASE",
     "OPENAI_API_KEY",
+    "ANTHROPIC_BASE_URL",
+    "ANTHROPIC_API_KEY",
     "TRIO_ROLLOUTS_PROBLEM",
 )
-#: Linux refuses to exec with one environment string longer than this (MAX_ARG_STRLEN).
-_MAX_VARIABLE: Final = 128 * 1024 - 64
-
-
-class AgentCommandError(RuntimeError):
-    """A :class:`GatewayAgent` command exited with a non-zero status (or was killed by a
-    signal). The message names the command, the exit status and the last lines of its
-    stderr. Not transient by default.
-
-    Attributes: ``command`` (the argument list), ``returncode`` (negative: the signal
-    that killed it), ``stderr`` (the last :data:`OUTPUT_LIMIT` bytes, decoded)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        command: Sequence[str] = (),
-        returncode: int = 0,
-        stderr: str = "",
-    ) -> None:
-        super().__init__(message)
-        self.command = list(command)
-        self.returncode = returncode
-        self.stderr = stderr
-
-
-class CommandTimeoutError(StepTimeoutError):
-    """A :class:`GatewayAgent` command ran past ``command_timeout`` and was killed with
-    its whole process group. A :class:`~trio_rollouts.StepTimeoutError`, so transient
-    by default: the failure policy retries the group when it allows retries."""
-
-
 # --------------------------------------------------------------------------- checks
 
 
@@ -161,6 +141,15 @@ def _check_env(instance: object, attribute: attrs.Attribute[Any], value: object)
             raise ValueError(msg)
 
 
+def _check_asyncio(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        msg = (
+            "asyncio must be True (run the function in an asyncio loop of its own), False "
+            f"(in this Trio run) or None (detect it from its code), got {value!r:.80}"
+        )
+        raise TypeError(msg)
+
+
 def _check_optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, str):
         msg = f"{attribute.name} must be a str or None, got {value!r:.80}"
@@ -193,16 +182,21 @@ class GatewayAgent(GroupedRolloutGenerator):
     Give exactly one of ``function`` and ``command``:
 
     - ``function``: ``async (base_url, problem) -> float | None``, called once per member
-      in this Trio run with its session's ``base_url`` (``.../sessions/<id>/v1``; send
-      ``api_key``, or any key when it is ``None``);
+      with its session's ``base_url`` (``.../sessions/<id>/v1``; send ``api_key``, or any
+      key when it is ``None``): in this Trio run, or in an asyncio loop of its own on a
+      worker thread when ``asyncio=True``, or ``None`` and its code uses asyncio (see
+      :mod:`trio_rollouts.gateway._asyncio`; a Trio run's ``no running event loop``
+      error gets a note saying to pass ``asyncio=True``);
     - ``command``: an argument list (``[sys.executable, "agent.py"]``) or a string split
       with :func:`shlex.split` (never run through a shell), run once per member with
       ``OPENAI_BASE_URL`` (and ``OPENAI_API_BASE``) set to the session's ``base_url``,
-      ``OPENAI_API_KEY`` to its key, ``TRIO_ROLLOUTS_PROBLEM`` to the problem as JSON
+      ``OPENAI_API_KEY`` to its key, ``ANTHROPIC_BASE_URL`` to its
+      ``anthropic_base_url`` and ``ANTHROPIC_API_KEY`` to its key (Anthropic's SDKs and
+      Claude-Code-style agents), ``TRIO_ROLLOUTS_PROBLEM`` to the problem as JSON
       (:func:`problem_json`: ``problem_id``, ``prompt`` as a string or a list of
       messages, ``answer`` when it is not ``None``) and the gateway's host added to
       ``NO_PROXY``; ``env``, then ``os.environ``, give the rest (``env`` may not set
-      those four). Its stdin is the same JSON. Its reward is the last line of its stdout
+      those). Its stdin is the same JSON. Its reward is the last line of its stdout
       that is a JSON number or a JSON object with a ``"reward"`` (``null``: none; see
       :func:`reward_from_stdout`); the last :data:`OUTPUT_LIMIT` bytes of stdout and of
       stderr are kept. Stderr is captured, not passed through: a failing command's
@@ -236,10 +230,14 @@ class GatewayAgent(GroupedRolloutGenerator):
     fails cancels the others and is raised as itself with a note ``in member K of N of
     problem 'ID', <where>`` (``K`` from 0); members that failed at the same instant are
     named in a note on it. Cancelling :meth:`group_rollout` cancels every member: a
-    function at its next checkpoint (it must let ``trio.Cancelled`` propagate), a
-    command by killing its process group as said; each session is left (its calls in
-    flight cancelled, waited for at most 5 s, shielded), then the gateway stops. It
-    returns (or raises) only when all of that has ended.
+    Trio function at its next checkpoint (it must let ``trio.Cancelled`` propagate); an
+    asyncio function by cancelling its task, then waiting (shielded, at most
+    ``asyncio_cancel_timeout``) for its loop to close, so no tool of it finishes
+    afterwards, else failing with :class:`AsyncioCancelTimeoutError` (a sync tool
+    blocking the loop; its thread is abandoned); a command by killing its process group
+    as said. Each session is left (its calls in flight cancelled, waited for at most 5 s,
+    shielded), then the gateway stops. It returns (or raises) only when all of that has
+    ended.
     """
 
     #: The model family's chat template, in ids.
@@ -267,6 +265,16 @@ class GatewayAgent(GroupedRolloutGenerator):
     command_timeout: float | None = attrs.field(default=None, validator=seconds(positive=True))
     #: Extra environment for commands (over ``os.environ``). Commands only.
     env: Mapping[str, str] = attrs.field(factory=dict, validator=_check_env)
+    #: How the function runs: ``True`` in an asyncio loop of its own on a worker thread,
+    #: ``False`` in this Trio run, ``None`` as its code says. Functions only.
+    asyncio: bool | None = attrs.field(default=None, validator=_check_asyncio)
+    #: Seconds a cancelled asyncio function has to end before the member fails with
+    #: :class:`AsyncioCancelTimeoutError` and its thread is abandoned.
+    asyncio_cancel_timeout: float = attrs.field(
+        default=ASYNCIO_CANCEL_TIMEOUT, validator=seconds(positive=True, optional=False)
+    )
+    # Whether the function runs in an asyncio loop of its own.
+    _on_asyncio: bool = attrs.field(init=False, default=False, repr=False)
     # The command's argument list.
     _argv: tuple[str, ...] | None = attrs.field(init=False, default=None, repr=False)
 
@@ -282,7 +290,17 @@ class GatewayAgent(GroupedRolloutGenerator):
             raise ValueError(msg)
         if self.command is not None:
             self._argv = _argv(self.command)
+            if self.asyncio is not None:
+                msg = (
+                    f"asyncio={self.asyncio!r} says how a function runs; a command runs as a "
+                    "process of its own (pass asyncio=None)"
+                )
+                raise ValueError(msg)
         else:
+            if self.function is not None:  # always: narrows the type
+                self._on_asyncio = (
+                    written_for_asyncio(self.function) if self.asyncio is None else self.asyncio
+                )
             if self.command_timeout is not None:
                 msg = (
                     f"command_timeout={self.command_timeout!r} bounds a command; a function "
@@ -363,8 +381,8 @@ class GatewayAgent(GroupedRolloutGenerator):
                     seed = request_seed(request, interface, problem.problem_id, member)
                 async with gateway.session(problem, seed=seed) as session:
                     if self._argv is None:
-                        where = "in its function"
-                        reward = await self._call_function(session, problem)
+                        where = "in its function" + " (on asyncio)" * self._on_asyncio
+                        reward = await self._call_function(session, problem, member)
                     else:
                         where = f"running its command {shlex.join(self._argv)}"
                         reward = await self._run_command(self._argv, session, problem)
@@ -385,20 +403,29 @@ class GatewayAgent(GroupedRolloutGenerator):
             )
             raise
 
-    async def _call_function(self, session: GatewaySession, problem: Problem) -> float | None:
+    async def _call_function(
+        self, session: GatewaySession, problem: Problem, member: int
+    ) -> float | None:
         function = self.function
         if function is None:  # pragma: no cover - __attrs_post_init__ saw to it
             msg = "no function"
             raise RuntimeError(msg)
-        awaitable = function(session.base_url, problem)
-        if not inspect.isawaitable(awaitable):
-            msg = (
-                "function must be an async function (base_url, problem) -> float | None; "
-                f"{self.function!r:.60} returned a {type(awaitable).__name__}, not an awaitable"
+        call = functools.partial(_await_function, function, session.base_url, problem)
+        if self._on_asyncio:
+            value = await run_in_asyncio(
+                call,
+                cancel_timeout=self.asyncio_cancel_timeout,
+                name=f"trio_rollouts asyncio member {member} of {problem.problem_id!r}",
             )
-            raise TypeError(msg)
-        value = await awaitable
-        return None if value is None else _checked_reward(value, "the function's return value")
+        else:
+            try:
+                value = await call()
+            except Exception as exc:
+                hint = asyncio_error_hint(exc)
+                if hint is not None:
+                    exc.add_note(hint)
+                raise
+        return None if value is None else checked_reward(value, "the function's return value")
 
     async def _reward_of_messages(self, problem: Problem, messages: list[ChatMessage]) -> float:
         if self.reward_fn is None:
@@ -412,13 +439,13 @@ class GatewayAgent(GroupedRolloutGenerator):
         value: object = self.reward_fn(problem, list(messages))
         if inspect.isawaitable(value):
             value = await value
-        return _checked_reward(value, "reward_fn's value")
+        return checked_reward(value, "reward_fn's value")
 
     async def _run_command(
         self, argv: tuple[str, ...], session: GatewaySession, problem: Problem
     ) -> float | None:
         payload = problem_json(problem)
-        if len(payload) > _MAX_VARIABLE:
+        if len(payload) > MAX_VARIABLE:
             msg = (
                 f"problem {problem.problem_id!r} is {len(payload)} bytes as JSON, more than "
                 "an environment variable can hold (TRIO_ROLLOUTS_PROBLEM, 128 KiB on Linux)"
@@ -430,203 +457,21 @@ class GatewayAgent(GroupedRolloutGenerator):
             OPENAI_BASE_URL=session.base_url,
             OPENAI_API_BASE=session.base_url,
             OPENAI_API_KEY=session.api_key,
+            ANTHROPIC_BASE_URL=session.anthropic_base_url,
+            ANTHROPIC_API_KEY=session.api_key,
             TRIO_ROLLOUTS_PROBLEM=payload,
         )
-        _bypass_proxies(environment, self.host)
-        timeout = self.command_timeout
-        stdout, stderr = _Tail(), _Tail()
-        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-            returncode = await _run(argv, environment, payload.encode(), stdout, stderr)
-        if scope.cancelled_caught:
-            msg = (
-                f"command {shlex.join(argv)} ran past command_timeout={timeout} s and was "
-                f"killed with its process group{_stderr_lines(stderr.text())}"
-            )
-            raise CommandTimeoutError(msg)
-        if returncode != 0:
-            raise _command_error(argv, returncode, stderr.text())
-        return reward_from_stdout(stdout.text())
+        bypass_proxies(environment, self.host)
+        return await run_command(argv, environment, payload, self.command_timeout)
 
 
-# --------------------------------------------------------------------------- rewards
-
-
-def _checked_reward(value: object, where: str) -> float:
-    """``value`` as a float: a finite real number (numpy's too; never a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        msg = f"{where} must be a real number (the reward), got {value!r:.80}"
+async def _await_function(function: AgentFunction, base_url: str, problem: Problem) -> object:
+    """Call a member's function and await what it returns (in Trio or on asyncio)."""
+    awaitable = function(base_url, problem)
+    if not inspect.isawaitable(awaitable):
+        msg = (
+            "function must be an async function (base_url, problem) -> float | None; "
+            f"{function!r:.60} returned a {type(awaitable).__name__}, not an awaitable"
+        )
         raise TypeError(msg)
-    reward = float(value)
-    if not math.isfinite(reward):
-        msg = f"{where} must be a finite number (the reward), got {value!r}"
-        raise ValueError(msg)
-    return reward
-
-
-def reward_from_stdout(stdout: str) -> float | None:
-    """A command's reward: its stdout's last line that is a JSON number, or a JSON object
-    with a ``"reward"`` key (whose ``null`` means "no reward"); ``None`` when there is no
-    such line. Other lines, JSON or not, are skipped. ``TypeError`` or ``ValueError``
-    when the reward found is not a finite number (naming the line)."""
-    for line in reversed(stdout.splitlines()):
-        text = line.strip()
-        if not text:
-            continue
-        try:
-            value = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(value, dict) and "reward" in value:
-            value = value["reward"]
-            if value is None:
-                return None
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        return _checked_reward(value, f"the reward of the command's stdout line {text!r:.80}")
-    return None
-
-
-# --------------------------------------------------------------------------- the command
-
-
-def problem_json(problem: Problem) -> str:
-    """``problem`` as the JSON a command gets (``TRIO_ROLLOUTS_PROBLEM`` and stdin):
-    ``problem_id``; ``prompt``, a string or a list of messages (``role``, ``content`` and
-    their extra keys); ``answer`` when it is not ``None`` (numpy values as numbers,
-    anything else JSON cannot hold as its ``str``)."""
-    prompt: str | list[dict[str, Any]]
-    if isinstance(problem.prompt, str):
-        prompt = problem.prompt
-    else:
-        prompt = [
-            {**message.extra, "role": message.role, "content": message.content}
-            for message in problem.prompt
-        ]
-    document: dict[str, Any] = {"problem_id": problem.problem_id, "prompt": prompt}
-    if problem.answer is not None:
-        document["answer"] = problem.answer
-    return json.dumps(document, ensure_ascii=False, default=_jsonable)
-
-
-def _jsonable(value: object) -> object:
-    to_list = getattr(value, "tolist", None)  # numpy scalars and arrays
-    if callable(to_list):
-        return to_list()
-    return str(value)
-
-
-def _bypass_proxies(environment: dict[str, str], host: str) -> None:
-    """Add the gateway's host to ``NO_PROXY``/``no_proxy``: an HTTP proxy inherited from
-    the environment must not carry a member's calls to loopback away."""
-    for name in ("NO_PROXY", "no_proxy"):
-        current = environment.get(name, "")
-        hosts = [h.strip() for h in current.split(",") if h.strip()]
-        if host not in hosts and "*" not in hosts:
-            environment[name] = ",".join([*hosts, host])
-
-
-@attrs.define(eq=False)
-class _Tail:
-    """The last :data:`OUTPUT_LIMIT` bytes of a stream."""
-
-    data: bytearray = attrs.field(factory=bytearray)
-    dropped: int = 0
-
-    def add(self, chunk: bytes | bytearray) -> None:
-        self.data += chunk
-        excess = len(self.data) - OUTPUT_LIMIT
-        if excess > 0:
-            del self.data[:excess]
-            self.dropped += excess
-
-    def text(self) -> str:
-        text = self.data.decode("utf-8", errors="replace")
-        if self.dropped:
-            _, _, text = text.partition("\n")  # the first line is cut: drop it
-        return text
-
-
-async def _read(stream: trio.abc.ReceiveStream | None, tail: _Tail) -> None:
-    if stream is None:  # pragma: no cover - stdout and stderr are pipes
-        return
-    async with stream:
-        async for chunk in stream:
-            tail.add(chunk)
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    """``killpg``, for a group that may be gone already."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)
-
-
-async def _kill_group(process: trio.Process) -> None:
-    """``deliver_cancel`` of a member's command: SIGTERM to its process group, then
-    SIGKILL to whatever is left of the group once the command has exited (``run_process``
-    cancels this then) or after :data:`KILL_GRACE` seconds."""
-    try:
-        _signal_group(process.pid, signal.SIGTERM)
-        await trio.sleep(KILL_GRACE)
-    finally:
-        _signal_group(process.pid, signal.SIGKILL)
-
-
-async def _run(
-    argv: tuple[str, ...], environment: dict[str, str], stdin: bytes, stdout: _Tail, stderr: _Tail
-) -> int:
-    """Run a member's command in a process group of its own; keep the tails of its
-    stdout and stderr; return its exit status. Nothing of the group outlives this: after
-    the command exits, the rest of its group gets SIGKILL (which also closes the pipes
-    they held); when this is cancelled, :func:`_kill_group` runs.
-
-    Cancellation: kills the process group (see :func:`_kill_group`) and returns once the
-    command has exited."""
-    returncode: list[int] = []
-
-    async def run(task_status: trio.TaskStatus[trio.Process]) -> None:
-        async with trio.open_nursery() as inner:
-            process: trio.Process = await inner.start(
-                functools.partial(
-                    trio.run_process,
-                    list(argv),
-                    stdin=stdin,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                    start_new_session=True,
-                    env=environment,
-                    deliver_cancel=_kill_group,
-                )
-            )
-            task_status.started(process)
-        # The command has exited: what it left in its group dies with it.
-        _signal_group(process.pid, signal.SIGKILL)
-        returncode.append(await process.wait())
-
-    with flatten_exception_groups():
-        async with trio.open_nursery() as nursery:
-            process = await nursery.start(run)
-            nursery.start_soon(_read, process.stdout, stdout)
-            nursery.start_soon(_read, process.stderr, stderr)
-    return returncode[0]
-
-
-def _stderr_lines(text: str) -> str:
-    """The last lines of a command's stderr, for its error."""
-    lines = text.rstrip("\n").splitlines()[-_STDERR_LINES:]
-    if not lines:
-        return " (its stderr was empty)"
-    return "; the last lines of its stderr:\n" + "\n".join(lines)
-
-
-def _command_error(argv: tuple[str, ...], code: int, stderr: str) -> AgentCommandError:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        status = f"was killed by {name}"
-    else:
-        status = f"exited with status {code}"
-    msg = f"command {shlex.join(argv)} {status}{_stderr_lines(stderr)}"
-    return AgentCommandError(msg, command=argv, returncode=code, stderr=stderr)
+    return await awaitable

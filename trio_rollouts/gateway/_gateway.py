@@ -3,13 +3,15 @@
 ``serve(inference, renderer)`` runs the HTTP server (:mod:`._http`) for an ``async with``
 block and yields the :class:`Gateway`; ``gw.session(problem)`` opens a
 :class:`GatewaySession` whose ``base_url`` an unmodified agent is pointed at. Routes,
-under ``{gw.url}/sessions/<id>/v1``: ``POST /chat/completions`` (``stream: true`` too)
-and ``GET /models``. The same routes under ``{gw.url}/v1`` serve the session an
-``X-Session-ID`` header names, exactly as its path would (one base URL for a whole run,
-as verifiers uses); a path and a header that name different sessions are a 400, and
-``/v1/...`` without the header is a 404. The API key, when one is set, is checked before
-routing, so a caller without it learns nothing about session ids; errors are in the
-OpenAI shape.
+under ``{gw.url}/sessions/<id>/v1``: ``POST /chat/completions``, ``POST /responses``
+(OpenAI Responses) and ``POST /messages`` (Anthropic Messages), each read and answered
+by its dialect (:mod:`._dialect`; ``stream: true`` too), and ``GET /models``. The same
+routes under ``{gw.url}/v1`` serve the session an ``X-Session-ID`` header names, exactly
+as its path would (one base URL for a whole run, as verifiers uses); a path and a header
+that name different sessions are a 400, and ``/v1/...`` without the header is a 404. The
+API key, when one is set, is checked before routing, so a caller without it learns
+nothing about session ids; errors are in the dialect's shape (OpenAI's, Anthropic's for
+``/messages``).
 """
 
 from __future__ import annotations
@@ -35,15 +37,12 @@ from trio_rollouts.episodes import (
     check_vocabulary,
     takes_messages,
 )
+from trio_rollouts.gateway._anthropic import MessagesDialect
+from trio_rollouts.gateway._chat import ChatDialect
+from trio_rollouts.gateway._dialect import Dialect, DialectCall, json_response
 from trio_rollouts.gateway._http import HTTPRequest, HTTPResponse, StreamingResponse, serve_http
-from trio_rollouts.gateway._session import (
-    GatewayError,
-    SessionState,
-    body_args,
-    parse_messages,
-    parse_tools,
-)
-from trio_rollouts.gateway._sse import chat_completion_chunks
+from trio_rollouts.gateway._responses import ResponsesDialect
+from trio_rollouts.gateway._session import GatewayError, SessionState
 from trio_rollouts.inference import InferenceError, InferenceInterface
 from trio_rollouts.models._problems import Problem
 from trio_rollouts.models._rollouts import TokenRollout
@@ -59,17 +58,18 @@ CLOSED_REMEMBERED: Final = 65_536
 LEAVE_GRACE: Final = 5.0
 #: The key the clients of a gateway without one are given (the SDKs want a key).
 NO_KEY: Final = "trio-rollouts"
+#: Replies whose conversation a session remembers for a call that continues one by id.
+REPLIES_REMEMBERED: Final = 256
 #: The header that names a call's session on the shared base URL ``{gw.url}/v1``.
 SESSION_HEADER: Final = "X-Session-ID"
 _ON_BREAK = ("split", "raise")
 
 
-def _json(status: int, body: Mapping[str, Any]) -> HTTPResponse:
-    return HTTPResponse(status=status, body=json.dumps(body, ensure_ascii=False).encode())
-
-
-def _error(error: GatewayError) -> HTTPResponse:
-    return _json(error.status, error.body())
+_CHAT: Final = ChatDialect()
+#: The dialects served, by their route under ``/v1/``.
+_DIALECTS: Final[dict[str, Dialect]] = {
+    dialect.route: dialect for dialect in (_CHAT, ResponsesDialect(), MessagesDialect())
+}
 
 
 @attrs.define(eq=False)
@@ -88,7 +88,10 @@ class GatewaySession:
     - ``base_url``: ``{gw.url}/sessions/{id}/v1``, what ``OPENAI_BASE_URL`` gets (or
       ``{gw.url}/v1`` with an ``X-Session-ID: {id}`` header, for a client that shares
       one base URL among sessions);
-    - ``api_key``: the gateway's key, or ``"trio-rollouts"`` when it has none;
+    - ``anthropic_base_url``: ``{gw.url}/sessions/{id}``, what Anthropic's SDKs take
+      (they add ``/v1/messages``; ``ANTHROPIC_BASE_URL`` for a command);
+    - ``api_key``: the gateway's key, or ``"trio-rollouts"`` when it has none (sent as
+      ``Authorization: Bearer`` or Anthropic's ``X-Api-Key``);
     - ``problem``: the problem given to ``gw.session``;
     - ``messages``: the conversation of the session's current element, the replies it
       gave included (what a ``reward_fn`` reads);
@@ -100,7 +103,8 @@ class GatewaySession:
     ) -> None:
         self.id = session_id
         self.problem = problem
-        self.base_url = f"{gateway.url}/sessions/{session_id}/v1"
+        self.anthropic_base_url = f"{gateway.url}/sessions/{session_id}"
+        self.base_url = f"{self.anthropic_base_url}/v1"
         self.api_key = gateway.api_key or NO_KEY
         self._gateway = gateway
         self._state = SessionState.open(
@@ -115,6 +119,7 @@ class GatewaySession:
         # Calls run one at a time, in arrival order (trio.Lock is fair).
         self._lock = trio.Lock()
         self._calls: set[_Call] = set()
+        self._replies: collections.OrderedDict[str, list[ChatMessage]] = collections.OrderedDict()
         self._closed = False
         self._left = False
         self._idle = trio.Event()
@@ -154,48 +159,77 @@ class GatewaySession:
 
     # ------------------------------------------------------------------- calls
 
-    async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """One ``/chat/completions`` call: its ``chat.completion`` reply.
+    async def call(self, call: DialectCall) -> dict[str, Any]:
+        """One model call of the session, whatever dialect it came in: its
+        ``chat.completion`` reply (which the dialect writes in its own shape).
 
-        Raises :class:`GatewayError` (400 for a bad body, 409 when the session is closed
-        or is left while the call waits or runs).
+        Raises :class:`GatewayError` (400 for a bad call or an unknown ``previous``, 409
+        when the session is closed or is left while the call waits or runs, 500 when the
+        model call fails).
 
         Cancellation: cancelled when the session is left (then a 409); otherwise not
         cancelled by the client going away: a call the backend answered is committed."""
-        messages = parse_messages(body.get("messages"))
-        tools = parse_tools(body.get("tools"))
-        n = body.get("n")
-        if n is not None and n != 1:
-            msg = f"n={n!r}: the gateway generates one choice per call (n must be 1)"
-            raise GatewayError(400, msg)
-        args = body_args(body, self._gateway.generation_args)
-        model = body.get("model") if isinstance(body.get("model"), str) else self._gateway.model
         if self._closed:
             raise self._closed_error()
-        call = _Call()
-        self._calls.add(call)
+        entry = _Call()
+        self._calls.add(entry)
         self._idle = trio.Event() if len(self._calls) == 1 else self._idle
         try:
-            with call.scope:
+            with entry.scope:
                 async with self._lock:
+                    messages = self._conversation(call)
                     state = self._state
                     try:
-                        state.prepare(messages, tools)
+                        state.prepare(messages, call.tools)
                     except GatewayError:
                         raise
                     except Exception as exc:  # a renderer's or a break's error
                         raise GatewayError(400, f"{type(exc).__name__}: {exc}") from exc
                     try:
-                        response, sampled, _, start = await state.generate(messages, args)
+                        response, sampled, _, start = await state.generate(messages, call.args)
                     except (InferenceError, TemplateBreakError, ValueError) as exc:
                         msg = f"the model call failed: {type(exc).__name__}: {exc}"
                         raise GatewayError(500, msg, "server_error") from exc
-                    return state.reply(response, sampled, start, str(model))
+                    reply = state.reply(response, sampled, start, call.model)
+                    self._remember(reply["id"])
+                    return reply
             raise self._closed_error(during=True)
         finally:
-            self._calls.discard(call)
+            self._calls.discard(entry)
             if not self._calls:
                 self._idle.set()
+
+    async def chat(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One ``/chat/completions`` call from its body: :meth:`call` of what the chat
+        dialect reads (same errors, same cancellation)."""
+        gateway = self._gateway
+        return await self.call(_CHAT.read(body, gateway.generation_args, gateway.model))
+
+    def _conversation(self, call: DialectCall) -> list[ChatMessage]:
+        """The whole conversation ``call`` asks the model to answer: the recalled one
+        before its messages (with ``previous``), its system prompt first."""
+        messages = list(call.messages)
+        if call.previous is not None:
+            recalled = self._replies.get(call.previous)
+            if recalled is None:
+                msg = (
+                    f"previous response {call.previous!r} is not one this session gave "
+                    f"(it remembers its last {REPLIES_REMEMBERED})"
+                )
+                raise GatewayError(400, msg)
+            if call.system is not None and recalled and recalled[0].role == "system":
+                recalled = recalled[1:]
+            messages = recalled + messages
+        if call.system is not None:
+            messages.insert(0, ChatMessage(role="system", content=call.system))
+        return messages
+
+    def _remember(self, reply_id: str) -> None:
+        """Keep the conversation the reply ``reply_id`` ended, for a call that continues
+        it by id (the last :data:`REPLIES_REMEMBERED`)."""
+        self._replies[reply_id] = self._state.messages
+        if len(self._replies) > REPLIES_REMEMBERED:
+            self._replies.popitem(last=False)
 
     def _closed_error(self, *, during: bool = False) -> GatewayError:
         if during:
@@ -284,39 +318,36 @@ class Gateway:
     # ------------------------------------------------------------------- HTTP
 
     async def handle(self, request: HTTPRequest) -> HTTPResponse | StreamingResponse:
-        """Route one HTTP request (the key first, then the path)."""
+        """Route one HTTP request (the key first, then the path) to its dialect."""
+        dialect = _dialect_of(request.path)
         try:
             self._check_key(request)
-            session, route = self._route(request)
-            if route == "models":
-                return _json(200, self._models())
-            body = _body(request)
-            reply = await session.chat(body)
+            session, routed = self._route(request)
+            if routed is None:
+                return json_response(200, self._models())
+            dialect = routed
+            call = dialect.read(_body(request), self.generation_args, self.model)
+            reply = await session.call(call)
         except GatewayError as error:
-            return _error(error)
-        if body.get("stream") is True:
-            options = body.get("stream_options")
-            usage = isinstance(options, Mapping) and options.get("include_usage") is True
-            return StreamingResponse(
-                status=200, chunks=_chunks(chat_completion_chunks(reply, include_usage=usage))
-            )
-        return _json(200, reply)
+            return dialect.error(error)
+        return dialect.answer(reply, call)
 
     def _check_key(self, request: HTTPRequest) -> None:
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
-            raise GatewayError(
-                401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error"
-            )
+        if scheme.lower() != "bearer":
+            # Anthropic's clients send the key as X-Api-Key.
+            token = request.headers.get("x-api-key", "")
+        if not token or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            msg = "missing or wrong API key (Authorization: Bearer ..., or X-Api-Key)"
+            raise GatewayError(401, msg, "authentication_error")
 
-    def _route(self, request: HTTPRequest) -> tuple[GatewaySession, str]:
-        """The session and route a request is for: the session from the path
-        (``/sessions/<id>/v1/...``) or from the ``X-Session-ID`` header (``/v1/...``)."""
+    def _route(self, request: HTTPRequest) -> tuple[GatewaySession, Dialect | None]:
+        """The session and dialect a request is for (``None``: ``GET /models``): the
+        session from the path (``/sessions/<id>/v1/...``) or from the ``X-Session-ID``
+        header (``/v1/...``)."""
         path_id, rest = _split_path(request.path)
         header_id = request.headers.get(SESSION_HEADER.lower())
         if header_id is not None:
@@ -336,10 +367,10 @@ class Gateway:
                 f"or /v1/... with an {SESSION_HEADER} header"
             )
             raise GatewayError(404, msg)
-        routes = {"chat/completions": ("POST", "chat"), "models": ("GET", "models")}
-        if rest not in routes:
+        route = _DIALECTS.get(rest)
+        if route is None and rest != "models":
             raise GatewayError(404, f"no route {request.path!r}")
-        method, route = routes[rest]
+        method = "GET" if route is None else "POST"
         session = self._live.get(session_id)
         if session is None:
             if session_id in self._closed:
@@ -372,6 +403,15 @@ def _split_path(path: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+def _dialect_of(path: str) -> Dialect:
+    """The dialect a path is for, by its last part (chat's for anything else): what its
+    errors are written in, even before the path is routed."""
+    for route, dialect in _DIALECTS.items():
+        if path.endswith("/" + route):
+            return dialect
+    return _CHAT
+
+
 def _body(request: HTTPRequest) -> dict[str, Any]:
     try:
         body = json.loads(request.body)
@@ -380,11 +420,6 @@ def _body(request: HTTPRequest) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise GatewayError(400, f"the body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-async def _chunks(chunks: list[bytes]) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield chunk
 
 
 @contextlib.asynccontextmanager
