@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.sessions = ["tests", "integrations", "lint", "typecheck", "docs"]
 nox.options.default_venv_backend = "venv"
 
 PACKAGE = "trio_rollouts"
@@ -63,6 +63,29 @@ def soak(session: nox.Session) -> None:
     """A million groups with random faults; RSS must stay flat (not part of CI)."""
     session.install("-e", ".")
     session.run("python", "benchmarks/soak.py", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("framework", ["tinker", "verifiers"])
+def integrations(session: nox.Session, framework: str) -> None:
+    """The adapters of ``trio_rollouts.integrations``, each beside the real framework in an
+    environment of its own (tinker-cookbook pins ``transformers<=5.5.4``, which the test
+    extra cannot hold; each adapter is tested with its extra alone): ``tests/integrations/``."""
+    pins = []
+    if framework == "tinker":
+        # The CPU build of torch lies on local disk: installed first and pinned, so that
+        # tinker-cookbook's torch is met without a CUDA download.
+        pins = ["torch==2.13.0"]
+        session.install(*pins)
+    tools = ["pytest>=9.2", "pytest-trio>=0.8", "hypothesis>=6.170"]
+    session.install("-e", f".[{framework}]", *pins, *tools)
+    session.run("pytest", f"tests/integrations/test_{framework}.py", *session.posargs)
+    if framework == "verifiers":
+        # verifiers 0.4 (verifiers.v1 only) pins openai<3: the gateway extra must install
+        # beside it.
+        session.run(
+            "pip", "install", "--dry-run", "--quiet", "-e", ".[gateway]", "verifiers==0.4.0"
+        )
 
 
 @nox.session(name="real-server", default=False)

@@ -481,7 +481,12 @@ def response_events(response: Mapping[str, Any]) -> list[bytes]:
             )
             if item["arguments"]:
                 emit("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            emit("response.function_call_arguments.done", **at, arguments=item["arguments"])
+            emit(
+                "response.function_call_arguments.done",
+                **at,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
         else:  # a message or reasoning: one part of text
             emit(
                 "response.output_item.added",
