@@ -12,7 +12,9 @@ is :func:`~trio_rollouts.inference.render_plain_chat`'s, so it matches
 :class:`~trio_rollouts.inference.EmbeddedInference`'s tokens exactly. :class:`HFRenderer`
 renders with a Hugging Face tokenizer's chat template and reads each family's tool calls
 and reasoning (``TOOL_PARSERS``, ``REASONING_PARSERS``: one small module per format,
-named as vLLM names its parsers).
+named as vLLM names its parsers). :class:`MistralCommonRenderer` and :class:`HarmonyRenderer`
+are the official renderings of Mistral's models (``mistral-common``, extra ``[mistral]``) and
+of gpt-oss (``openai-harmony``, extra ``[harmony]``), what vLLM serves those models with.
 """
 
 from trio_rollouts.renderers._base import AssistantTurn as AssistantTurn
@@ -22,8 +24,10 @@ from trio_rollouts.renderers._families import REASONING_PARSERS as REASONING_PAR
 from trio_rollouts.renderers._families import TOOL_PARSERS as TOOL_PARSERS
 from trio_rollouts.renderers._families import Family as Family
 from trio_rollouts.renderers._families import detect as detect_family
+from trio_rollouts.renderers.harmony import HarmonyRenderer as HarmonyRenderer
 from trio_rollouts.renderers.hf import HFRenderer as HFRenderer
 from trio_rollouts.renderers.hf import tokenizer_vocabulary as tokenizer_vocabulary
+from trio_rollouts.renderers.mistral_common import MistralCommonRenderer as MistralCommonRenderer
 from trio_rollouts.renderers.plain import PlainRenderer as PlainRenderer
 
 __all__ = [
@@ -32,6 +36,8 @@ __all__ = [
     "AssistantTurn",
     "Family",
     "HFRenderer",
+    "HarmonyRenderer",
+    "MistralCommonRenderer",
     "PlainRenderer",
     "Renderer",
     "ToolCall",

@@ -336,9 +336,12 @@ class HFRenderer:
         With ``messages`` (the conversation ``previous_ids`` holds, assistant turns as
         structured messages), the proof is made on it: the template's render of
         ``messages`` and ``new_messages`` with the generation prompt must start with the
-        text of ``previous_ids``, and the bridge is the rest, encoded. A template that
-        rewrites history (drops earlier reasoning, writes a call otherwise than the model
-        did, moves the system prompt, refuses the conversation) gives ``None``.
+        text of ``previous_ids``, and the bridge is the rest, encoded; or, with a
+        tokenizer that normalizes text before it splits it (Qwen's NFC), start with text
+        that normalizes as it does, up to the same ``close_ids``, since a message encoded
+        earlier decodes normalized. A template that rewrites history (drops earlier
+        reasoning, writes a call otherwise than the model did, moves the system prompt,
+        refuses the conversation) gives ``None``.
 
         Without ``messages``, the new messages are rendered after two fixed base
         conversations, and the bridge is returned only if it is the same after both and
@@ -353,7 +356,10 @@ class HFRenderer:
                 full = self._template(conversation, tools, True)
             except ValueError:
                 return None
-            rest = remainder(self.decode(previous_ids), full)
+            text = self.decode(previous_ids)
+            rest = remainder(text, full)
+            if rest is None:
+                rest = self._normalized_remainder(text, full)
             if rest is None or (new_messages and self._drops(before, tools, full)):
                 return None
             return self.encode(rest)
@@ -374,6 +380,30 @@ class HFRenderer:
         if new_messages and tuple(bridges[0]) == renders[0][1]:
             return None  # the new messages render to nothing: no more than the prompt
         return bridges[0]
+
+    def _normalized_remainder(self, prefix: str, full: str) -> str | None:
+        """What ``full`` has after ``prefix`` where the two differ only as the tokenizer's
+        normalizer makes them the same (Qwen's NFC: a message the template writes
+        decomposed, an ``e`` and a combining accent, was encoded, so ``prefix``, a
+        decode, holds it composed): ``prefix`` ends with the text of ``close_ids`` and
+        ``full`` up to the same occurrence of it normalizes as ``prefix`` does. The rest
+        is cut from ``full`` after that special token, so the bridge encodes as a full
+        render would; ``None`` without a normalizer or a close. Tried only when the plain
+        proof fails."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        normalize = getattr(getattr(backend, "normalizer", None), "normalize_str", None)
+        close = self.decode(self._close_ids) if self._close_ids else ""
+        if not callable(normalize) or not close or not prefix.endswith(close):
+            return None
+        end = 0
+        for _ in range(prefix.count(close)):
+            found = full.find(close, end)
+            if found < 0:
+                return None
+            end = found + len(close)
+        if normalize(full[:end]) != normalize(prefix):
+            return None
+        return full[end:]
 
     def _drops(
         self, before: list[dict[str, Any]], tools: list[dict[str, Any]] | None, full: str

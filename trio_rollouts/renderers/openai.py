@@ -8,8 +8,10 @@ opened by ``<|start|>assistant`` (the generation prompt opened the first). The
 ``commentary`` addressed to no one) is the content.
 
 OpenAI's ``openai-harmony`` reads this format from token ids of its own vocabulary, which
-it downloads at first use: neither fits a renderer that works offline on any tokenizer's
-ids, so the text is read here.
+it downloads at first use: :class:`~trio_rollouts.renderers.HarmonyRenderer` renders and
+parses with it; here the text is read, which works offline on any tokenizer's ids (and
+is :class:`~trio_rollouts.renderers.HarmonyRenderer`'s fallback for ids harmony cannot
+parse).
 """
 
 from __future__ import annotations
