@@ -66,15 +66,15 @@ def soak(session: nox.Session) -> None:
 
 
 @nox.session
-@nox.parametrize("framework", ["tinker", "verifiers"])
+@nox.parametrize("framework", ["tinker", "trl", "verifiers"])
 def integrations(session: nox.Session, framework: str) -> None:
     """The adapters of ``trio_rollouts.integrations``, each beside the real framework in an
     environment of its own (tinker-cookbook pins ``transformers<=5.5.4``, which the test
     extra cannot hold; each adapter is tested with its extra alone): ``tests/integrations/``."""
     pins = []
-    if framework == "tinker":
+    if framework in ("tinker", "trl"):
         # The CPU build of torch lies on local disk: installed first and pinned, so that
-        # tinker-cookbook's torch is met without a CUDA download.
+        # tinker-cookbook's and TRL's torch is met without a CUDA download.
         pins = ["torch==2.13.0"]
         session.install(*pins)
     tools = ["pytest>=9.2", "pytest-trio>=0.8", "hypothesis>=6.170"]

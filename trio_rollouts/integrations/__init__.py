@@ -10,4 +10,7 @@ extra, imported by its own module (so ``import trio_rollouts`` never imports the
   :class:`~trio_rollouts.integrations.verifiers.VerifiersAgent` runs a verifiers
   environment unmodified, each member through a gateway session, scored by its rubric
   as a group.
+- :mod:`trio_rollouts.integrations.trl` (extra ``[trl]``): a ``rollout_func`` for TRL's
+  ``GRPOTrainer`` and a ``RolloutWorker`` for its ``AsyncGRPOTrainer``, fed by a
+  streaming pipeline within the staleness bound.
 """
