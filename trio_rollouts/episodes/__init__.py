@@ -31,6 +31,7 @@ from trio_rollouts.episodes._element import call_start_epoch_or as call_start_ep
 from trio_rollouts.episodes._element import close_ids as close_ids
 from trio_rollouts.episodes._element import numbered as numbered
 from trio_rollouts.episodes._element import read_turn as read_turn
+from trio_rollouts.episodes._element import request_start_epoch as request_start_epoch
 from trio_rollouts.episodes._element import start_element as start_element
 from trio_rollouts.episodes._element import takes_messages as takes_messages
 from trio_rollouts.episodes._element import token_rollout as token_rollout

@@ -47,14 +47,13 @@ from trio_rollouts.episodes._checks import (
 from trio_rollouts.episodes._element import (
     RANK,
     backend_fidelity,
-    call_start_epoch_or,
+    request_start_epoch,
     takes_messages,
 )
 from trio_rollouts.episodes._episode import GroupEpisodes
 from trio_rollouts.episodes._errors import TokenFidelityError, fidelity_error, what_lacked
 from trio_rollouts.episodes._first_turns import FirstTurns
 from trio_rollouts.inference._interface import GeneratesGroups
-from trio_rollouts.inference._pausable import Pausable
 from trio_rollouts.models._problems import Problem
 from trio_rollouts.models._requests import GroupedRolloutRequest
 from trio_rollouts.models._rollouts import Rollout, RolloutGroup, TokenRollout
@@ -217,15 +216,7 @@ class MultiTurnAgent(GroupedRolloutGenerator):
         if not isinstance(problem, Problem):
             msg = f"get_problem must return a Problem, got {type(problem).__name__}"
             raise TypeError(msg)
-        start_epoch = call_start_epoch_or(None)
-        if start_epoch is None:
-            # Called outside the pipeline: the epoch the stream would start under.
-            if request.initial_epoch is not None:
-                start_epoch = request.initial_epoch
-            elif isinstance(interface, Pausable):
-                start_epoch = interface.policy_epoch
-            else:
-                start_epoch = 0
+        start_epoch = request_start_epoch(request)
         environment_limiter, live_limiter = self._limiters()
         episode = GroupEpisodes(
             agent=self,

@@ -39,6 +39,8 @@ from trio_rollouts.inference._interface import (
     ReturnsTokens,
     accepts_tokens,
 )
+from trio_rollouts.inference._pausable import Pausable
+from trio_rollouts.models._requests import GroupedRolloutRequest
 from trio_rollouts.models._rollouts import FIDELITY_LEVELS, SamplingSpan, TokenRollout
 from trio_rollouts.pipeline._sampling import sampling_span
 from trio_rollouts.renderers import AssistantTurn, Renderer
@@ -81,6 +83,19 @@ def call_start_epoch_or(default: _Default) -> int | _Default:
     pipeline."""
     epoch = current_call().start_epoch
     return default if epoch is None else epoch
+
+
+def request_start_epoch(request: GroupedRolloutRequest) -> int:
+    """The policy epoch a group of ``request`` starts under: the pipeline's, for a call
+    it runs; called outside a pipeline, the epoch its stream would start under
+    (``request.initial_epoch``, else a pausable backend's current epoch, else 0)."""
+    epoch = call_start_epoch_or(None)
+    if epoch is not None:
+        return epoch
+    if request.initial_epoch is not None:
+        return request.initial_epoch
+    interface = request.inference_interface
+    return interface.policy_epoch if isinstance(interface, Pausable) else 0
 
 
 @attrs.define(eq=False)

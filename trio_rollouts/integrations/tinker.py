@@ -51,12 +51,11 @@ from trio_rollouts import (
 from trio_rollouts._checks import optional_int_at_least
 from trio_rollouts._concurrency import gather
 from trio_rollouts.agents._environment import check_reward
-from trio_rollouts.episodes import Element, call_start_epoch_or, start_element, token_rollout
+from trio_rollouts.episodes import Element, request_start_epoch, start_element, token_rollout
 from trio_rollouts.inference import (
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
-    Pausable,
     TokenMismatchError,
     accepts_tokens,
 )
@@ -475,15 +474,7 @@ class EnvAgent(GroupedRolloutGenerator):
         if not isinstance(problem, Problem):
             msg = f"get_problem must return a Problem, got {type(problem).__name__}"
             raise TypeError(msg)
-        start_epoch = call_start_epoch_or(None)
-        if start_epoch is None:
-            # Called outside the pipeline: the epoch the stream would start under.
-            if request.initial_epoch is not None:
-                start_epoch = request.initial_epoch
-            elif isinstance(interface, Pausable):
-                start_epoch = interface.policy_epoch
-            else:
-                start_epoch = 0
+        start_epoch = request_start_epoch(request)
         episode = functools.partial(self._episode, request, problem, start_epoch)
         return await gather(
             [functools.partial(episode, member) for member in range(request.rollouts_per_group)]
