@@ -15,11 +15,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
+import trio
 
 from trio_rollouts._checks import int_at_least as _int_at_least
 from trio_rollouts._concurrency import gather
 from trio_rollouts.inference._interface import require_raw
 from trio_rollouts.models._evaluation import EvaluationResponse
+from trio_rollouts.models._problems import Problem
 from trio_rollouts.models._requests import EvaluationRequest, GroupedRolloutRequest, RolloutRequest
 from trio_rollouts.models._rollouts import ContrastiveRollout, Rollout, RolloutGroup, TokenRollout
 from trio_rollouts.pipeline._failure import FailurePolicy
@@ -242,6 +244,22 @@ def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRollou
             f"({groups}); {tasks % groups} generation task(s) will be unused"
         )
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+async def draw_problem(agent: GroupedRolloutGenerator) -> Problem:
+    """The next draw from ``agent.prompts``: what an agent's ``get_problem`` does when
+    its problems come from its prompt source (a ``ValueError`` naming the agent when it
+    has none).
+
+    Cancellation: a schedule point after the draw, never cancelled (so the groups of one
+    run draw their problems in the order the pipeline starts them, whatever order Trio
+    runs their tasks in, and a drawn problem is never lost)."""
+    if agent.prompts is None:
+        msg = f"{type(agent).__name__} has no prompts; pass prompts= or override get_problem"
+        raise ValueError(msg)
+    problem = agent.prompts.draw()
+    await trio.lowlevel.cancel_shielded_checkpoint()
+    return problem
 
 
 def draws_prompts(agent: GroupedRolloutGenerator) -> bool:

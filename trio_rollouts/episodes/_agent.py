@@ -36,7 +36,7 @@ import trio
 
 from trio_rollouts._checks import int_at_least, optional_int_at_least, seconds
 from trio_rollouts._concurrency import gather
-from trio_rollouts.agents._base import GroupedRolloutGenerator
+from trio_rollouts.agents._base import GroupedRolloutGenerator, draw_problem
 from trio_rollouts.agents._environment import Environment
 from trio_rollouts.episodes._checks import (
     check_min_fidelity,
@@ -185,12 +185,7 @@ class MultiTurnAgent(GroupedRolloutGenerator):
         Cancellation: a schedule point after the draw, never cancelled (so the groups
         of one run draw their problems in the order the pipeline starts them, whatever
         order Trio runs their tasks in, and a drawn problem is never lost)."""
-        if self.prompts is None:
-            msg = f"{type(self).__name__} has no prompts; pass prompts= or override get_problem"
-            raise ValueError(msg)
-        problem = self.prompts.draw()
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return problem
+        return await draw_problem(self)
 
     async def group_rollout(self, request: GroupedRolloutRequest) -> list[TokenRollout]:
         """Run ``request.rollouts_per_group`` episodes of one problem concurrently.

@@ -28,12 +28,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import attrs
-import trio
 
 from trio_rollouts._checks import seconds
 from trio_rollouts._concurrency import flatten_exception_groups, gather
 from trio_rollouts._messages import ChatMessage
-from trio_rollouts.agents._base import GroupedRolloutGenerator
+from trio_rollouts.agents._base import GroupedRolloutGenerator, draw_problem
 from trio_rollouts.episodes import check_min_fidelity, check_on_break, check_renderer
 from trio_rollouts.gateway._asyncio import (
     AsyncioCancelTimeoutError,
@@ -321,12 +320,9 @@ class GatewayAgent(GroupedRolloutGenerator):
         """The problem of one group: the next draw from ``prompts``. Override it to take
         problems from elsewhere.
 
-        Cancellation: a checkpoint."""
-        await trio.lowlevel.checkpoint()
-        if self.prompts is None:
-            msg = f"{type(self).__name__} has no prompts; pass prompts= or override get_problem"
-            raise ValueError(msg)
-        return self.prompts.draw()
+        Cancellation: a schedule point after the draw, never cancelled (a drawn problem
+        is never lost)."""
+        return await draw_problem(self)
 
     async def group_rollout(self, request: GroupedRolloutRequest) -> list[TokenRollout]:
         """Run ``request.rollouts_per_group`` members of one problem concurrently behind

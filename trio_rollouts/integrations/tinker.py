@@ -50,6 +50,7 @@ from trio_rollouts import (
 )
 from trio_rollouts._checks import optional_int_at_least
 from trio_rollouts._concurrency import gather
+from trio_rollouts.agents._base import draw_problem
 from trio_rollouts.agents._environment import check_reward
 from trio_rollouts.episodes import Element, request_start_epoch, start_element, token_rollout
 from trio_rollouts.inference import (
@@ -447,12 +448,7 @@ class EnvAgent(GroupedRolloutGenerator):
 
         Cancellation: a schedule point after the draw, never cancelled (a drawn problem
         is never lost)."""
-        if self.prompts is None:
-            msg = f"{type(self).__name__} has no prompts; pass prompts= or override get_problem"
-            raise ValueError(msg)
-        problem = self.prompts.draw()
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return problem
+        return await draw_problem(self)
 
     async def group_rollout(self, request: GroupedRolloutRequest) -> list[TokenRollout]:
         """Run ``request.rollouts_per_group`` episodes of one problem concurrently.

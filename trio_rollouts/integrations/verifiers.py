@@ -39,7 +39,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal
 
 import attrs
-import trio
 
 from trio_rollouts import (
     ChatMessage,
@@ -51,6 +50,7 @@ from trio_rollouts import (
 )
 from trio_rollouts._checks import seconds
 from trio_rollouts._concurrency import flatten_exception_groups
+from trio_rollouts.agents._base import draw_problem
 from trio_rollouts.agents._environment import check_reward
 from trio_rollouts.episodes import check_min_fidelity, check_on_break, check_renderer
 from trio_rollouts.gateway import GatewaySession, serve
@@ -339,12 +339,7 @@ class VerifiersAgent(GroupedRolloutGenerator):
 
         Cancellation: a schedule point after the draw, never cancelled (a drawn problem
         is never lost)."""
-        if self.prompts is None:
-            msg = f"{type(self).__name__} has no prompts; pass prompts= or override get_problem"
-            raise ValueError(msg)
-        problem = self.prompts.draw()
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return problem
+        return await draw_problem(self)
 
     async def group_rollout(self, request: GroupedRolloutRequest) -> list[TokenRollout]:
         """Run ``request.rollouts_per_group`` members of one problem and score them as a
