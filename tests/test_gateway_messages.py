@@ -688,3 +688,52 @@ def test_bad_bodies_are_400s_naming_the_field_and_the_value() -> None:
     assert "system must be a string or a list of text blocks, got 3" in refused(system=3)
     assert "tools[0].input_schema must be a JSON schema object" in refused(tools=[{"name": "f"}])
     assert "temperature" in refused(temperature=-1.0)
+
+
+async def test_count_tokens_counts_the_prompt_the_next_call_would_send_and_commits_nothing() -> (
+    None
+):
+    with trio.fail_after(LIMIT):
+        async with serve(backend(), R) as gw, gw.session(PROBLEM) as session:
+            sdk = client(session)
+            conversation: Any = [{"role": "user", "content": "calculate 2+3"}]
+            counted = await sdk.messages.count_tokens(
+                model="claude-x", system="Be brief.", messages=conversation, tools=TOOLS
+            )
+            assert session.calls == 0  # counting generates and commits nothing
+            reply = await sdk.messages.create(
+                model="claude-x",
+                max_tokens=64,
+                system="Be brief.",
+                messages=conversation,
+                tools=TOOLS,
+            )
+            await sdk.close()
+    assert counted.input_tokens == reply.usage.input_tokens > 0
+    assert session.calls == 1
+
+
+async def test_count_tokens_errors_are_anthropics() -> None:
+    with trio.fail_after(LIMIT):
+        async with serve(backend(), R) as gw, gw.session(PROBLEM) as session:
+            sdk = client(session)
+            with pytest.raises(anthropic.BadRequestError, match="image"):
+                await sdk.messages.count_tokens(
+                    model="claude-x",
+                    messages=[
+                        {
+                            "role": "user",
+                            "content": [
+                                {
+                                    "type": "image",
+                                    "source": {
+                                        "type": "base64",
+                                        "media_type": "image/png",
+                                        "data": "AA==",
+                                    },
+                                }
+                            ],
+                        }
+                    ],
+                )
+            await sdk.close()

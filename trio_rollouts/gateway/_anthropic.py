@@ -57,7 +57,7 @@ from trio_rollouts.gateway._http import HTTPResponse, StreamingResponse
 from trio_rollouts.gateway._session import GatewayError, body_args
 from trio_rollouts.gateway._sse import sse_event
 
-__all__ = ["MessagesDialect"]
+__all__ = ["CountTokensDialect", "MessagesDialect"]
 
 #: The body fields that set the sampling (as ``body_args`` reads them).
 _SAMPLING_FIELDS: Final = ("temperature", "top_p", "top_k", "max_tokens")
@@ -125,15 +125,45 @@ class MessagesDialect:
         return json_response(200, message)
 
     def error(self, error: GatewayError) -> HTTPResponse:
-        body = {
-            "type": "error",
-            "error": {
-                "type": _messages_error_type(error.status),
-                "message": str(error),
-                "code": error.status,
-            },
-        }
-        return json_response(error.status, body)
+        return anthropic_error(error)
+
+
+class CountTokensDialect(MessagesDialect):
+    """Anthropic's ``POST /v1/messages/count_tokens`` (Claude Code calls it to size its
+    context): the body of a Messages call, ``max_tokens`` optional, read as one; the
+    gateway answers ``{"input_tokens": N}``, ``N`` the ids the renderer makes of the
+    conversation with its tools and generation prompt. Nothing is generated or
+    committed."""
+
+    route = "messages/count_tokens"
+
+    def read(
+        self, body: Mapping[str, Any], generation_args: GenerationArgs, model: str
+    ) -> DialectCall:
+        return super().read({"max_tokens": 1, **body}, generation_args, model)
+
+    def answer(
+        self, reply: Mapping[str, Any], call: DialectCall
+    ) -> HTTPResponse | StreamingResponse:
+        """The count of a reply's prompt (the gateway counts without generating, with
+        :meth:`answer_count`)."""
+        return self.answer_count(reply["usage"]["prompt_tokens"])
+
+    def answer_count(self, tokens: int) -> HTTPResponse:
+        return json_response(200, {"input_tokens": tokens})
+
+
+def anthropic_error(error: GatewayError) -> HTTPResponse:
+    """``error`` in Anthropic's error shape (which holds the OpenAI shape's fields too)."""
+    body = {
+        "type": "error",
+        "error": {
+            "type": _messages_error_type(error.status),
+            "message": str(error),
+            "code": error.status,
+        },
+    }
+    return json_response(error.status, body)
 
 
 def _messages_error_type(status: int) -> str:

@@ -37,7 +37,7 @@ from trio_rollouts.episodes import (
     check_vocabulary,
     takes_messages,
 )
-from trio_rollouts.gateway._anthropic import MessagesDialect
+from trio_rollouts.gateway._anthropic import CountTokensDialect, MessagesDialect
 from trio_rollouts.gateway._chat import ChatDialect
 from trio_rollouts.gateway._dialect import Dialect, DialectCall, json_response
 from trio_rollouts.gateway._http import HTTPRequest, HTTPResponse, StreamingResponse, serve_http
@@ -68,7 +68,8 @@ _ON_BREAK = ("split", "raise")
 _CHAT: Final = ChatDialect()
 #: The dialects served, by their route under ``/v1/``.
 _DIALECTS: Final[dict[str, Dialect]] = {
-    dialect.route: dialect for dialect in (_CHAT, ResponsesDialect(), MessagesDialect())
+    dialect.route: dialect
+    for dialect in (_CHAT, ResponsesDialect(), MessagesDialect(), CountTokensDialect())
 }
 
 
@@ -205,6 +206,19 @@ class GatewaySession:
         gateway = self._gateway
         return await self.call(_CHAT.read(body, gateway.generation_args, gateway.model))
 
+    def count_tokens(self, call: DialectCall) -> int:
+        """How many ids the renderer makes of the conversation ``call`` asks the model to
+        answer (its tools and the generation prompt included), as a full render: what
+        ``/messages/count_tokens`` answers. Nothing is generated or committed; a
+        conversation the renderer refuses is a 400. Not a checkpoint."""
+        if self._closed:
+            raise self._closed_error()
+        messages = self._conversation(call)
+        try:
+            return len(self._gateway.renderer.render(messages, tools=call.tools))
+        except Exception as exc:  # the renderer's refusal
+            raise GatewayError(400, f"{type(exc).__name__}: {exc}") from exc
+
     def _conversation(self, call: DialectCall) -> list[ChatMessage]:
         """The whole conversation ``call`` asks the model to answer: the recalled one
         before its messages (with ``previous``), its system prompt first."""
@@ -327,6 +341,8 @@ class Gateway:
                 return json_response(200, self._models())
             dialect = routed
             call = dialect.read(_body(request), self.generation_args, self.model)
+            if isinstance(dialect, CountTokensDialect):
+                return dialect.answer_count(session.count_tokens(call))
             reply = await session.call(call)
         except GatewayError as error:
             return dialect.error(error)
