@@ -224,6 +224,18 @@ def test_construction_errors_name_the_field_and_value() -> None:
         VerifiersAgent(env=env, renderer=R, asyncio_cancel_timeout="5")  # type: ignore[arg-type]
 
 
+def test_the_env_may_be_given_by_position_once() -> None:
+    env = vf.SingleTurnEnv(
+        dataset=dataset(("What is 2+3?", "5")), rubric=vf.Rubric(funcs=[correct])
+    )
+    assert VerifiersAgent(env, renderer=R).env is env
+    assert VerifiersAgent(env=env, renderer=R).env is env
+    with pytest.raises(TypeError, match="takes the env once"):
+        VerifiersAgent(env, env=env, renderer=R)
+    with pytest.raises(TypeError, match="takes the env once"):
+        VerifiersAgent(env, R)
+
+
 async def test_a_problem_whose_answer_is_not_a_row_is_a_type_error() -> None:
     env = vf.SingleTurnEnv(
         dataset=dataset(("What is 2+3?", "5")), rubric=vf.Rubric(funcs=[correct])

@@ -241,7 +241,7 @@ def _check_on_error(instance: object, attribute: attrs.Attribute[Any], value: ob
 # --------------------------------------------------------------------------- the agent
 
 
-@attrs.define(kw_only=True)
+@attrs.define(kw_only=True, init=False)
 class VerifiersAgent(GroupedRolloutGenerator):
     """Runs a classic verifiers environment unmodified behind the gateway and returns one
     token-exact :class:`~trio_rollouts.TokenRollout` per member, with verifiers' reward.
@@ -321,6 +321,20 @@ class VerifiersAgent(GroupedRolloutGenerator):
     asyncio_cancel_timeout: float = attrs.field(
         default=ASYNCIO_CANCEL_TIMEOUT, validator=seconds(positive=True, optional=False)
     )
+
+    def __init__(self, *env: Any, **fields: Any) -> None:
+        """``VerifiersAgent(env, renderer=...)`` or ``VerifiersAgent(env=env, ...)``: the
+        env may be given by position; every other field by keyword."""
+        if len(env) > 1 or (env and "env" in fields):
+            msg = (
+                f"VerifiersAgent takes the env once, by position or as env=, and every "
+                f"other field by keyword; got {len(env)} positional argument(s)"
+                + (" and env=" if "env" in fields else "")
+            )
+            raise TypeError(msg)
+        if env:
+            fields["env"] = env[0]
+        self.__attrs_init__(**fields)
 
     def __attrs_post_init__(self) -> None:
         if self.prompts is None and type(self).get_problem is VerifiersAgent.get_problem:
