@@ -1,10 +1,11 @@
 """An OpenAI Agents SDK agent that knows nothing of trio_rollouts, with one function tool.
 
 Run by :class:`~trio_rollouts.gateway.GatewayAgent` as a command (``pip install
-openai-agents``): the SDK's chat-completions model talks to ``OPENAI_BASE_URL`` with
-``OPENAI_API_KEY``; the problem comes from ``TRIO_ROLLOUTS_PROBLEM``; the last line printed
-is ``{"reward": ...}``. The SDK runs on asyncio, in its own process: nothing here needs
-Trio. Tracing is off (it would upload traces to OpenAI).
+openai-agents``): the SDK with its defaults, the Responses API on a client it makes from
+``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``; the problem comes from
+``TRIO_ROLLOUTS_PROBLEM``; the last line printed is ``{"reward": ...}``. The SDK runs on
+asyncio, in its own process: nothing here needs Trio. Tracing is off (it would upload
+traces to OpenAI).
 """
 
 from __future__ import annotations
@@ -16,14 +17,7 @@ import os
 import re
 from typing import Any
 
-from agents import (
-    Agent,
-    OpenAIChatCompletionsModel,
-    Runner,
-    function_tool,
-    set_tracing_disabled,
-)
-from openai import AsyncOpenAI
+from agents import Agent, Runner, function_tool, set_tracing_disabled
 
 
 @function_tool
@@ -50,12 +44,10 @@ def reward(answer: Any, text: str) -> float:
 async def main() -> None:
     set_tracing_disabled(True)
     problem = json.loads(os.environ["TRIO_ROLLOUTS_PROBLEM"])
-    client = AsyncOpenAI(max_retries=0)  # OPENAI_BASE_URL, OPENAI_API_KEY
     agent = Agent(
         name="calculator agent",
         instructions="Use the calculator, then state the answer.",
         tools=[calculator],
-        model=OpenAIChatCompletionsModel(model="trio-rollouts", openai_client=client),
     )
     result = await Runner.run(agent, problem["prompt"], max_turns=4)
     print(json.dumps({"reward": reward(problem.get("answer"), str(result.final_output))}))
