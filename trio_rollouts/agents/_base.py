@@ -246,6 +246,17 @@ def check_grouped_request(agent: GroupedRolloutGenerator, request: GroupedRollou
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+def check_problems(agent: GroupedRolloutGenerator, cls: type[Any]) -> None:
+    """At construction: a ``TypeError`` when ``agent`` has no ``prompts`` and its
+    ``get_problem`` is still ``cls``'s, which draws from them (:func:`draw_problem`)."""
+    if agent.prompts is None and getattr(type(agent), "get_problem", None) is cls.get_problem:
+        msg = (
+            f"{type(agent).__name__} needs problems: pass prompts= (a PromptSource) or "
+            "override get_problem(request)"
+        )
+        raise TypeError(msg)
+
+
 async def draw_problem(agent: GroupedRolloutGenerator) -> Problem:
     """The next draw from ``agent.prompts``: what an agent's ``get_problem`` does when
     its problems come from its prompt source (a ``ValueError`` naming the agent when it

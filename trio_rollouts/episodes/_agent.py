@@ -36,7 +36,7 @@ import trio
 
 from trio_rollouts._checks import int_at_least, optional_int_at_least, seconds
 from trio_rollouts._concurrency import gather
-from trio_rollouts.agents._base import GroupedRolloutGenerator, draw_problem
+from trio_rollouts.agents._base import GroupedRolloutGenerator, check_problems, draw_problem
 from trio_rollouts.agents._environment import Environment
 from trio_rollouts.episodes._checks import (
     check_min_fidelity,
@@ -163,12 +163,7 @@ class MultiTurnAgent(GroupedRolloutGenerator):
 
     def __attrs_post_init__(self) -> None:
         self._bridge_takes_messages = takes_messages(self.renderer)
-        if self.prompts is None and type(self).get_problem is MultiTurnAgent.get_problem:
-            msg = (
-                f"{type(self).__name__} needs problems: pass prompts= (a PromptSource) or "
-                "override get_problem(request)"
-            )
-            raise TypeError(msg)
+        check_problems(self, MultiTurnAgent)
 
     def _slot_generator(
         self, request: GroupedRolloutRequest

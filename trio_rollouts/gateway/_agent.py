@@ -29,10 +29,10 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from trio_rollouts._checks import seconds
+from trio_rollouts._checks import check_optional_str, seconds
 from trio_rollouts._concurrency import flatten_exception_groups, gather
 from trio_rollouts._messages import ChatMessage
-from trio_rollouts.agents._base import GroupedRolloutGenerator, draw_problem
+from trio_rollouts.agents._base import GroupedRolloutGenerator, check_problems, draw_problem
 from trio_rollouts.episodes import check_min_fidelity, check_on_break, check_renderer
 from trio_rollouts.gateway._asyncio import (
     AsyncioCancelTimeoutError,
@@ -149,12 +149,6 @@ def _check_asyncio(instance: object, attribute: attrs.Attribute[Any], value: obj
         raise TypeError(msg)
 
 
-def _check_optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, str):
-        msg = f"{attribute.name} must be a str or None, got {value!r:.80}"
-        raise TypeError(msg)
-
-
 def _argv(command: str | Sequence[str | os.PathLike[str]]) -> tuple[str, ...]:
     if isinstance(command, str):
         try:
@@ -250,7 +244,7 @@ class GatewayAgent(GroupedRolloutGenerator):
     #: The environment's name, stamped on every rollout.
     env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
     #: The key the gateway requires (``None``: none; clients send any key).
-    api_key: str | None = attrs.field(default=None, validator=_check_optional_str)
+    api_key: str | None = attrs.field(default=None, validator=check_optional_str)
     #: Where the gateway listens (loopback by default; its port is a free one).
     host: str = attrs.field(default="127.0.0.1", validator=attrs.validators.instance_of(str))
     #: The model name the gateway lists at ``/models``.
@@ -309,12 +303,7 @@ class GatewayAgent(GroupedRolloutGenerator):
             if self.env:
                 msg = f"env={dict(self.env)!r:.80} is a command's environment; there is no command"
                 raise ValueError(msg)
-        if self.prompts is None and type(self).get_problem is GatewayAgent.get_problem:
-            msg = (
-                f"{type(self).__name__} needs problems: pass prompts= (a PromptSource) or "
-                "override get_problem(request)"
-            )
-            raise TypeError(msg)
+        check_problems(self, GatewayAgent)
 
     async def get_problem(self, request: GroupedRolloutRequest) -> Problem:
         """The problem of one group: the next draw from ``prompts``. Override it to take

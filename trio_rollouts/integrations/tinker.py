@@ -50,7 +50,7 @@ from trio_rollouts import (
 )
 from trio_rollouts._checks import optional_int_at_least
 from trio_rollouts._concurrency import gather
-from trio_rollouts.agents._base import draw_problem
+from trio_rollouts.agents._base import check_problems, draw_problem
 from trio_rollouts.agents._environment import check_reward
 from trio_rollouts.episodes import Element, request_start_epoch, start_element, token_rollout
 from trio_rollouts.inference import (
@@ -435,12 +435,7 @@ class EnvAgent(GroupedRolloutGenerator):
     env_id: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 
     def __attrs_post_init__(self) -> None:
-        if self.prompts is None and type(self).get_problem is EnvAgent.get_problem:
-            msg = (
-                f"{type(self).__name__} needs problems: pass prompts= (a PromptSource) or "
-                "override get_problem(request)"
-            )
-            raise TypeError(msg)
+        check_problems(self, EnvAgent)
 
     async def get_problem(self, request: GroupedRolloutRequest) -> Problem:
         """The problem of one group: the next draw from ``prompts``. Override it to take

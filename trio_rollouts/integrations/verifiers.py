@@ -48,7 +48,7 @@ from trio_rollouts import (
     PromptSource,
     TokenRollout,
 )
-from trio_rollouts._checks import seconds
+from trio_rollouts._checks import check_optional_str, seconds
 from trio_rollouts._concurrency import flatten_exception_groups
 from trio_rollouts.agents._base import draw_problem
 from trio_rollouts.agents._environment import check_reward
@@ -223,12 +223,6 @@ def _check_sampling_args(instance: object, attribute: attrs.Attribute[Any], valu
         raise TypeError(msg)
 
 
-def _check_optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, str):
-        msg = f"{attribute.name} must be a str or None, got {value!r:.80}"
-        raise TypeError(msg)
-
-
 def _check_on_error(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value not in ("raise", "keep"):
         msg = (
@@ -306,9 +300,9 @@ class VerifiersAgent(GroupedRolloutGenerator):
     #: What a member whose verifiers state holds an error does: fail the group, or be kept.
     on_error: Literal["raise", "keep"] = attrs.field(default="raise", validator=_check_on_error)
     #: The environment's name on every rollout (``None``: ``env.env_id``).
-    env_id: str | None = attrs.field(default=None, validator=_check_optional_str)
+    env_id: str | None = attrs.field(default=None, validator=check_optional_str)
     #: The key the gateway requires (``None``: none; the clients send one anyway).
-    api_key: str | None = attrs.field(default=None, validator=_check_optional_str)
+    api_key: str | None = attrs.field(default=None, validator=check_optional_str)
     #: Where the gateway listens (loopback by default; its port is a free one).
     host: str = attrs.field(default="127.0.0.1", validator=attrs.validators.instance_of(str))
     #: The model name verifiers sends (and the gateway lists at ``/models``).

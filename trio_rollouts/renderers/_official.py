@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from trio_rollouts._messages import ChatMessage
+from trio_rollouts.renderers._base import refuse_assistant_messages
 from trio_rollouts.renderers.hf import tokenizer_vocabulary
 
 __all__ = [
@@ -48,6 +49,33 @@ def import_extra(module: str, extra: str, who: str) -> Any:
             f"pip install 'trio-rollouts[{extra}]'"
         )
         raise ImportError(msg) from error
+
+
+def proved_bridge(
+    render: Callable[..., list[int]],
+    previous_ids: Sequence[int],
+    new_messages: Sequence[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    messages: Sequence[ChatMessage] | None,
+    decode: Callable[[Sequence[int]], str],
+    is_special: Callable[[int], bool],
+) -> list[int] | None:
+    """An official renderer's ``bridge``, proved on the conversation at hand:
+    ``render(messages + new_messages, tools=tools)`` must extend ``previous_ids`` (see
+    :func:`extension`), and the bridge is the rest. ``None`` when it does not, when the
+    new messages render to nothing, when the renderer refuses the conversation
+    (``ValueError``), or without ``messages``; an assistant message among
+    ``new_messages`` is a ``ValueError``."""
+    refuse_assistant_messages(new_messages)
+    if messages is None:
+        return None
+    try:
+        full = render([*messages, *new_messages], tools=tools)
+        if new_messages and render(list(messages), tools=tools) == full:
+            return None
+    except ValueError:
+        return None
+    return extension(previous_ids, full, decode, is_special)
 
 
 def extension(

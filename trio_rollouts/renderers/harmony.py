@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from trio_rollouts._checks import check_optional_str
 from trio_rollouts._messages import ChatMessage
 from trio_rollouts.renderers import openai
 from trio_rollouts.renderers._base import (
@@ -17,15 +18,14 @@ from trio_rollouts.renderers._base import (
     assemble_turn,
     checked_ids,
     declared_roles,
-    refuse_assistant_messages,
 )
 from trio_rollouts.renderers._calls import call_from_parts
 from trio_rollouts.renderers._official import (
     VocabularyMap,
     byte_level,
-    extension,
     function_calls,
     import_extra,
+    proved_bridge,
     tool_functions,
 )
 
@@ -89,12 +89,6 @@ def _check_effort(instance: object, attribute: attrs.Attribute[Any], value: obje
         raise ValueError(msg)
 
 
-def _optional_str(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None and not isinstance(value, str):
-        msg = f"{attribute.name} must be a str or None, got {value!r:.60}"
-        raise TypeError(msg)
-
-
 @attrs.frozen(eq=False)
 class HarmonyRenderer:
     """gpt-oss's reference rendering: OpenAI's ``openai-harmony``.
@@ -142,13 +136,13 @@ class HarmonyRenderer:
     encoding: Any = attrs.field(factory=load_gpt_oss_encoding)
     reasoning_effort: str = attrs.field(default="medium", kw_only=True, validator=_check_effort)
     model_identity: str | None = attrs.field(
-        default=_DEFAULT_IDENTITY, kw_only=True, validator=_optional_str
+        default=_DEFAULT_IDENTITY, kw_only=True, validator=check_optional_str
     )
     knowledge_cutoff: str | None = attrs.field(
-        default="2024-06", kw_only=True, validator=_optional_str
+        default="2024-06", kw_only=True, validator=check_optional_str
     )
     conversation_start_date: str | None = attrs.field(
-        default=None, kw_only=True, validator=_optional_str
+        default=None, kw_only=True, validator=check_optional_str
     )
     extra_roles: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=declared_roles)
     _harmony: Any = attrs.field(init=False, factory=_harmony, repr=False)
@@ -345,16 +339,15 @@ class HarmonyRenderer:
         ``None`` when it does not (a final answer's ``<|return|>`` is ``<|end|>`` in
         history, earlier analysis dropped, a call written with its recipient in the
         channel), when the new messages render to nothing, or without ``messages``."""
-        refuse_assistant_messages(new_messages)
-        if messages is None:
-            return None
-        try:
-            full = self.render([*messages, *new_messages], tools=tools)
-            if new_messages and self.render(messages, tools=tools) == full:
-                return None
-        except ValueError:
-            return None
-        return extension(previous_ids, full, self.decode, self.encoding.is_special_token)
+        return proved_bridge(
+            self.render,
+            previous_ids,
+            new_messages,
+            tools,
+            messages,
+            self.decode,
+            self.encoding.is_special_token,
+        )
 
     def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
         harmony = self._harmony

@@ -18,14 +18,13 @@ from trio_rollouts.renderers._base import (
     AssistantTurn,
     assemble_turn,
     checked_ids,
-    refuse_assistant_messages,
 )
 from trio_rollouts.renderers._official import (
     VocabularyMap,
     byte_level,
-    extension,
     function_calls,
     import_extra,
+    proved_bridge,
     tool_functions,
 )
 
@@ -287,16 +286,15 @@ class MistralCommonRenderer:
         (mistral-common moved the tools or the system prompt to a new last user message,
         re-serialised a call, refused the conversation), when the new messages render to
         nothing, or without ``messages``."""
-        refuse_assistant_messages(new_messages)
-        if messages is None:
-            return None
-        try:
-            full = self.render([*messages, *new_messages], tools=tools)
-            if new_messages and self.render(messages, tools=tools) == full:
-                return None
-        except ValueError:
-            return None
-        return extension(previous_ids, full, self.decode, self._special.__contains__)
+        return proved_bridge(
+            self.render,
+            previous_ids,
+            new_messages,
+            tools,
+            messages,
+            self.decode,
+            self._special.__contains__,
+        )
 
     def parse(self, completion_ids: Sequence[int]) -> AssistantTurn:
         ids = checked_ids(completion_ids, "completion_ids")

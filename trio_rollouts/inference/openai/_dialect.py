@@ -41,6 +41,7 @@ __all__ = [
     "Dialect",
     "DialectCall",
     "OpenAIDialect",
+    "OpenAIRoutes",
     "RouteProbe",
 ]
 
@@ -162,16 +163,9 @@ class Dialect(Protocol):
         ...
 
 
-@attrs.frozen(eq=False)
-class OpenAIDialect:
-    """The plain OpenAI API (``server=None``): no route, control endpoint or stamp of its
-    own; a pause holds calls client-side only (``drain``, ``restart``)."""
-
-    supported_modes: frozenset[WeightUpdateMode] = CLIENT_MODES
-    pauses_servers: bool = False
-    own_route: bool = False
-    salt_field: str | None = None
-    stamps: bool = False
+class OpenAIRoutes:
+    """What a dialect without a route of its own does (the plain OpenAI API, SGLang):
+    every request goes by the OpenAI routes, nothing to prepare, continue or probe."""
 
     @property
     def continuation_fields(self) -> dict[str, Any]:
@@ -194,6 +188,22 @@ class OpenAIDialect:
         await trio.lowlevel.checkpoint()
         return None
 
+    async def probe_route(self, transport: Transport, index: int) -> RouteProbe:
+        await trio.lowlevel.checkpoint()
+        return RouteProbe()
+
+
+@attrs.frozen(eq=False)
+class OpenAIDialect(OpenAIRoutes):
+    """The plain OpenAI API (``server=None``): no route, control endpoint or stamp of its
+    own; a pause holds calls client-side only (``drain``, ``restart``)."""
+
+    supported_modes: frozenset[WeightUpdateMode] = CLIENT_MODES
+    pauses_servers: bool = False
+    own_route: bool = False
+    salt_field: str | None = None
+    stamps: bool = False
+
     def stamp(self, index: int, reply: Response, parsed: list[InferenceResponse]) -> None:
         return
 
@@ -213,7 +223,3 @@ class OpenAIDialect:
         paused: set[int],
     ) -> InferenceError | None:
         return None
-
-    async def probe_route(self, transport: Transport, index: int) -> RouteProbe:
-        await trio.lowlevel.checkpoint()
-        return RouteProbe()

@@ -22,18 +22,17 @@ request in flight).
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 import attrs
-import trio
 
 from trio_rollouts.inference._errors import InferenceError
-from trio_rollouts.inference._interface import InferenceRequest, InferenceResponse
+from trio_rollouts.inference._interface import InferenceResponse
 from trio_rollouts.inference._pausable import WeightUpdateError, WeightUpdateMode
 from trio_rollouts.inference.http._transport import Response, Transport
 from trio_rollouts.inference.openai._continuation import generated_tokens
 from trio_rollouts.inference.openai._control import ControlCall, ControlEndpoints
-from trio_rollouts.inference.openai._dialect import SERVER_MODES, DialectCall, RouteProbe
+from trio_rollouts.inference.openai._dialect import SERVER_MODES, OpenAIRoutes
 from trio_rollouts.inference.openai._versions import Span, policy_boundaries
 
 __all__ = ["SGLangDialect", "SGLangVersions", "missing_endpoint_hint", "reply_spans"]
@@ -143,7 +142,7 @@ def missing_endpoint_hint(path: str) -> str:
 
 
 @attrs.frozen(eq=False)
-class SGLangDialect:
+class SGLangDialect(OpenAIRoutes):
     """SGLang: the OpenAI routes, epoch stamps from the weight versions in its replies,
     and ``keep`` (``in_place``) / ``abort`` pauses through its control endpoints (see the
     module docstring and :class:`~._dialect.Dialect`)."""
@@ -160,27 +159,6 @@ class SGLangDialect:
     def stamps(self) -> bool:
         """Whether every replica was labelled by this interface and stamps with its labels."""
         return self.versions.stamps
-
-    @property
-    def continuation_fields(self) -> dict[str, Any]:
-        return {}
-
-    def takes(self, index: int, body: dict[str, Any]) -> bool:
-        return False
-
-    async def prepare(self, transport: Transport, index: int) -> None:
-        await trio.lowlevel.checkpoint()
-
-    async def route(
-        self,
-        transport: Transport,
-        index: int,
-        request: InferenceRequest,
-        body: dict[str, Any],
-        call: DialectCall,
-    ) -> list[InferenceResponse] | None:
-        await trio.lowlevel.checkpoint()
-        return None
 
     def stamp(self, index: int, reply: Response, parsed: list[InferenceResponse]) -> None:
         """Each choice's ``policy_epoch`` from the weight versions SGLang stamped on its
@@ -228,7 +206,3 @@ class SGLangDialect:
         if new_version is not None and error is None:
             self.versions.labelled_all(new_version)
         return error
-
-    async def probe_route(self, transport: Transport, index: int) -> RouteProbe:
-        await trio.lowlevel.checkpoint()
-        return RouteProbe()
